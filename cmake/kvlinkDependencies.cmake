@@ -1,0 +1,43 @@
+# Finds kvlink's dependencies. Each one names the Debian package that provides
+# it when it is missing. Used both by the build and by kvlinkConfig.cmake.
+include(CMakeFindDependencyMacro)
+
+macro(_kvlink_require _found _what _pkg)
+  if(NOT ${_found})
+    message(FATAL_ERROR "kvlink: ${_what} not found. On Debian/Ubuntu: apt-get install ${_pkg}")
+  endif()
+endmacro()
+
+# Standalone Asio ships no CMake config: make an imported target.
+if(NOT TARGET asio::asio)
+  find_path(KVLINK_ASIO_INCLUDE_DIR asio.hpp)
+  _kvlink_require(KVLINK_ASIO_INCLUDE_DIR "standalone Asio (asio.hpp)" libasio-dev)
+  find_package(Threads REQUIRED)
+  add_library(asio::asio INTERFACE IMPORTED)
+  set_target_properties(asio::asio PROPERTIES
+    INTERFACE_INCLUDE_DIRECTORIES "${KVLINK_ASIO_INCLUDE_DIR}"
+    INTERFACE_COMPILE_DEFINITIONS "ASIO_STANDALONE;ASIO_NO_DEPRECATED"
+    INTERFACE_LINK_LIBRARIES Threads::Threads)
+endif()
+
+if(NOT TARGET fmt::fmt)
+  find_package(fmt QUIET)
+  _kvlink_require(fmt_FOUND "{fmt}" libfmt-dev)
+endif()
+if(NOT TARGET nlohmann_json::nlohmann_json)
+  find_package(nlohmann_json 3 QUIET)
+  _kvlink_require(nlohmann_json_FOUND "nlohmann/json" nlohmann-json3-dev)
+endif()
+
+if(KVLINK_WITH_RDMA AND NOT TARGET kvlink_ibverbs)
+  find_package(PkgConfig QUIET)
+  if(PkgConfig_FOUND)
+    pkg_check_modules(KVLINK_IBVERBS QUIET IMPORTED_TARGET libibverbs)
+  endif()
+  if(KVLINK_IBVERBS_FOUND)
+    add_library(kvlink_ibverbs INTERFACE IMPORTED)
+    set_target_properties(kvlink_ibverbs PROPERTIES INTERFACE_LINK_LIBRARIES PkgConfig::KVLINK_IBVERBS)
+  else()
+    message(STATUS "kvlink: libibverbs not found, kvlink::rdma not built (apt-get install libibverbs-dev librdmacm-dev pkg-config)")
+  endif()
+endif()

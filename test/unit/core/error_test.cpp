@@ -1,0 +1,24 @@
+#include <kvlink/core/error.hpp>
+
+#include <doctest/doctest.h>
+
+#include <set>
+
+TEST_CASE("errc converts to std::error_code with kvlink's category") {
+  std::error_code ec = kvlink::errc::out_of_bounds;
+  CHECK(ec);
+  CHECK(ec == kvlink::errc::out_of_bounds);
+  CHECK(ec != kvlink::errc::not_registered);
+  CHECK(std::string{ec.category().name()} == "kvlink");
+  CHECK(ec.message().find("outside") != std::string::npos);
+}
+
+TEST_CASE("every errc has its own, non-generic message") {
+  std::set<std::string> seen;
+  for (int v = 1; v <= static_cast<int>(kvlink::errc::instance_changed); ++v) {
+    auto msg = kvlink::make_error_code(static_cast<kvlink::errc>(v)).message();
+    CHECK(msg != "unknown kvlink error");
+    CHECK(seen.insert(msg).second);
+  }
+  CHECK(kvlink::make_error_code(static_cast<kvlink::errc>(999)).message() == "unknown kvlink error");
+}
