@@ -2,8 +2,17 @@
 # it when it is missing. Used both by the build and by kvlinkConfig.cmake.
 include(CMakeFindDependencyMacro)
 
+# From kvlinkConfig.cmake (_kvlink_from_config set) a missing dependency makes
+# find_package(kvlink) fail the way find_dependency() does: kvlink_FOUND FALSE
+# with the message, and return() leaves this file (a macro runs in the
+# including file's scope). A build of kvlink itself stops with FATAL_ERROR.
 macro(_kvlink_require _found _what _pkg)
   if(NOT ${_found})
+    if(_kvlink_from_config)
+      set(kvlink_FOUND FALSE)
+      set(kvlink_NOT_FOUND_MESSAGE "kvlink: ${_what} not found. On Debian/Ubuntu: apt-get install ${_pkg}")
+      return()
+    endif()
     message(FATAL_ERROR "kvlink: ${_what} not found. On Debian/Ubuntu: apt-get install ${_pkg}")
   endif()
 endmacro()
