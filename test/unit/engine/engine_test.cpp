@@ -1,0 +1,769 @@
+// basic_engine over TCP, two engines in one process on loopback: integrity
+// across sizes and batch shapes, every completion token, every error the
+// engine promises, cancellation and deadlines (and that no byte of the
+// caller's buffer changes after the handler ran), hostile clients.
+#include <kvlink/engine.hpp>
+
+#include <doctest/doctest.h>
+
+#include <asio/bind_cancellation_slot.hpp>
+#include <asio/co_spawn.hpp>
+#include <asio/detached.hpp>
+#include <asio/experimental/awaitable_operators.hpp>
+#include <asio/io_context.hpp>
+#include <asio/use_future.hpp>
+
+#include <cstring>
+#include <sys/socket.h>
+#include <random>
+#include <thread>
+
+namespace {
+
+using namespace std::chrono_literals;
+using kvlink::opcode;
+
+void fill(std::span<std::byte> s, std::uint64_t seed) {
+  std::mt19937_64 g{seed};
+  std::size_t i = 0;
+  for (; i + 8 <= s.size(); i += 8) {
+    const auto v = g();
+    std::memcpy(s.data() + i, &v, 8);
+  }
+  for (; i < s.size(); ++i) s[i] = static_cast<std::byte>(g());
+}
+
+kvlink::config test_config() {
+  kvlink::config c;
+  c.fence_timeout = 200ms;
+  c.connect_timeout = 2s;
+  return c;
+}
+
+// Runs the io_context until `done` or the (generous) limit: a hang fails the
+// test instead of blocking the suite.
+template <class Pred>
+bool run_until(asio::io_context& io, Pred done, std::chrono::seconds limit = 60s) {
+  const auto until = std::chrono::steady_clock::now() + limit;
+  while (!done()) {
+    if (std::chrono::steady_clock::now() > until) return false;
+    io.run_one_for(100ms);
+  }
+  return true;
+}
+
+struct outcome {
+  std::error_code ec;
+  kvlink::transfer_result result;
+};
+
+struct rig {
+  asio::io_context io;
+  std::optional<kvlink::tcp_engine> target;
+  kvlink::tcp_engine initiator;
+  std::vector<std::byte> remote_mem;
+  std::vector<std::byte> local_mem;
+  kvlink::segment_id remote_seg;
+  kvlink::peer peer;
+
+  explicit rig(std::size_t size = 1 << 20, kvlink::access acc = kvlink::access::remote_read_write,
+               kvlink::config tcfg = test_config(), kvlink::config icfg = test_config())
+      : target(std::in_place, io.get_executor(), tcfg), initiator(io.get_executor(), icfg), remote_mem(size),
+        local_mem(size) {
+    remote_seg = target->register_segment(remote_mem.data(), remote_mem.size(), acc);
+    initiator.register_segment(local_mem.data(), local_mem.size());
+    peer = connect(target->local_address());
+  }
+
+  kvlink::peer connect(const std::string& addr) {
+    std::optional<std::pair<std::error_code, kvlink::peer>> out;
+    initiator.async_connect(addr, [&](std::error_code ec, kvlink::peer p) { out.emplace(ec, p); });
+    REQUIRE(run_until(io, [&] { return out.has_value(); }));
+    REQUIRE_MESSAGE(!out->first, out->first.message());
+    return out->second;
+  }
+
+  outcome run(const std::vector<kvlink::transfer_request>& reqs, kvlink::transfer_options opts = {}) {
+    std::optional<outcome> out;
+    initiator.async_submit_transfer(reqs, opts, [&](std::error_code ec, kvlink::transfer_result r) {
+      out = outcome{ec, r};
+    });
+    REQUIRE(run_until(io, [&] { return out.has_value(); }));
+    return *out;
+  }
+
+  kvlink::transfer_request req(opcode op, std::size_t local_off, std::uint64_t remote_off, std::uint64_t len) {
+    return {op, local_mem.data() + local_off, peer.segment(0), remote_off, len};
+  }
+};
+
+}  // namespace
+
+TEST_CASE("write then read back, one request") {
+  rig r;
+  REQUIRE(r.peer.connected());
+  CHECK(r.peer.transport() == "tcp");
+  REQUIRE(r.peer.segments().size() == 1);
+  CHECK(r.peer.segments()[0].length == r.remote_mem.size());
+  fill(r.local_mem, 1);
+  auto w = r.run({r.req(opcode::write, 0, 0, r.local_mem.size())});
+  REQUIRE_MESSAGE(!w.ec, w.ec.message());
+  CHECK(w.result.bytes == r.local_mem.size());
+  CHECK(w.result.requests == 1);
+  CHECK(w.result.lanes == 2);  // one request uses every lane
+  CHECK(std::memcmp(r.local_mem.data(), r.remote_mem.data(), r.local_mem.size()) == 0);
+  fill(r.remote_mem, 2);
+  auto rd = r.run({r.req(opcode::read, 0, 0, r.local_mem.size())});
+  REQUIRE_FALSE(rd.ec);
+  CHECK(rd.result.bytes == r.local_mem.size());
+  CHECK(std::memcmp(r.local_mem.data(), r.remote_mem.data(), r.local_mem.size()) == 0);
+}
+
+TEST_CASE("sizes from 1 byte to 64 MiB at random offsets, WRITE and READ") {
+  constexpr std::size_t total = (64u << 20) + 8192;
+  rig r{total};
+  std::mt19937_64 g{42};
+  const std::uint64_t sizes[] = {1, 7, 4096, 65536, 65537, 1 << 20, (1 << 20) + 3, 16u << 20, 64u << 20};
+  for (const auto size : sizes) {
+    for (const auto op : {opcode::write, opcode::read}) {
+      CAPTURE(size);
+      CAPTURE(kvlink::to_string(op));
+      const auto slack = total - size;
+      const auto loff = static_cast<std::size_t>(g() % (slack + 1));
+      const auto roff = g() % (slack + 1);
+      fill(r.local_mem, g());
+      fill(r.remote_mem, g());
+      auto* src = op == opcode::write ? r.local_mem.data() + loff : r.remote_mem.data() + roff;
+      std::vector<std::byte> expect(src, src + size);
+      // Bytes around the destination range must not change.
+      auto* dst_base = op == opcode::write ? r.remote_mem.data() : r.local_mem.data();
+      const auto doff = op == opcode::write ? static_cast<std::size_t>(roff) : loff;
+      std::vector<std::byte> before(dst_base, dst_base + total);
+      auto out = r.run({r.req(op, loff, roff, size)});
+      REQUIRE_MESSAGE(!out.ec, out.ec.message());
+      CHECK(out.result.bytes == size);
+      CHECK(std::memcmp(dst_base + doff, expect.data(), size) == 0);
+      CHECK(std::memcmp(dst_base, before.data(), doff) == 0);
+      CHECK(std::memcmp(dst_base + doff + size, before.data() + doff + size, total - doff - size) == 0);
+    }
+  }
+}
+
+TEST_CASE("batches of 1 to 10^4 requests, scattered, mixed sizes") {
+  constexpr std::size_t total = 16u << 20;
+  rig r{total};
+  std::mt19937_64 g{7};
+  for (const std::size_t n : {1u, 10u, 100u, 1000u, 10000u}) {
+    for (const auto op : {opcode::write, opcode::read}) {
+      CAPTURE(n);
+      fill(r.local_mem, g());
+      fill(r.remote_mem, g());
+      // Disjoint destination ranges: a permutation of fixed-size slots.
+      const std::size_t slot = total / n;
+      std::vector<std::size_t> perm(n);
+      std::iota(perm.begin(), perm.end(), 0);
+      std::shuffle(perm.begin(), perm.end(), g);
+      std::vector<kvlink::transfer_request> reqs;
+      std::uint64_t bytes = 0;
+      for (std::size_t i = 0; i < n; ++i) {
+        const auto len = 1 + g() % slot;
+        reqs.push_back(r.req(op, i * slot, perm[i] * slot, len));
+        bytes += len;
+      }
+      auto local_before = r.local_mem;
+      auto remote_before = r.remote_mem;
+      auto out = r.run(reqs);
+      REQUIRE_MESSAGE(!out.ec, out.ec.message());
+      CHECK(out.result.bytes == bytes);
+      CHECK(out.result.requests == n);
+      for (std::size_t i = 0; i < n; ++i) {
+        const auto& q = reqs[i];
+        const auto loff = static_cast<std::size_t>(static_cast<std::byte*>(q.local) - r.local_mem.data());
+        if (op == opcode::write) {
+          REQUIRE(std::memcmp(r.remote_mem.data() + q.remote_offset, local_before.data() + loff, q.length) == 0);
+        } else {
+          REQUIRE(std::memcmp(r.local_mem.data() + loff, remote_before.data() + q.remote_offset, q.length) == 0);
+        }
+      }
+    }
+  }
+}
+
+TEST_CASE("completion tokens: callback, future, use_awaitable, as_tuple") {
+  rig r;
+  fill(r.local_mem, 3);
+  std::vector<kvlink::transfer_request> reqs{r.req(opcode::write, 0, 0, 4096)};
+
+  // The handler never runs inside the initiating function.
+  bool called = false;
+  r.initiator.async_submit_transfer(reqs, [&](std::error_code, kvlink::transfer_result) { called = true; });
+  CHECK_FALSE(called);
+  REQUIRE(run_until(r.io, [&] { return called; }));
+
+  auto fut = r.initiator.async_submit_transfer(reqs, asio::use_future);
+  REQUIRE(run_until(r.io, [&] { return fut.wait_for(0s) == std::future_status::ready; }));
+  CHECK(fut.get().bytes == 4096);
+
+  std::optional<std::uint64_t> bytes;
+  std::optional<std::error_code> tuple_ec;
+  asio::co_spawn(
+      r.io,
+      [&]() -> asio::awaitable<void> {
+        auto res = co_await r.initiator.async_submit_transfer(reqs, asio::use_awaitable);
+        bytes = res.bytes;
+        // A failing transfer through as_tuple: no exception, the error code.
+        std::vector<kvlink::transfer_request> bad{r.req(opcode::write, 0, r.remote_mem.size(), 1)};
+        auto [ec, res2] =
+            co_await r.initiator.async_submit_transfer(bad, asio::experimental::as_tuple(asio::use_awaitable));
+        (void)res2;
+        tuple_ec = ec;
+      },
+      asio::detached);
+  REQUIRE(run_until(r.io, [&] { return tuple_ec.has_value(); }));
+  CHECK(bytes == 4096u);
+  CHECK(*tuple_ec == kvlink::errc::out_of_bounds);
+
+  // use_awaitable turns an error into std::system_error carrying the code.
+  std::optional<std::error_code> thrown;
+  asio::co_spawn(
+      r.io,
+      [&]() -> asio::awaitable<void> {
+        try {
+          std::vector<kvlink::transfer_request> bad{r.req(opcode::write, 0, 0, r.remote_mem.size() + 1)};
+          co_await r.initiator.async_submit_transfer(bad, asio::use_awaitable);
+        } catch (const std::system_error& e) {
+          thrown = e.code();
+        }
+      },
+      asio::detached);
+  REQUIRE(run_until(r.io, [&] { return thrown.has_value(); }));
+  CHECK(*thrown == kvlink::errc::out_of_bounds);
+}
+
+TEST_CASE("request errors are reported and move nothing") {
+  rig r{1 << 20, kvlink::access::remote_read};  // target grants READ only
+  fill(r.remote_mem, 5);
+  const auto remote_before = r.remote_mem;
+  std::vector<std::byte> unregistered(4096);
+
+  SUBCASE("unregistered local memory") {
+    auto out = r.run({{opcode::read, unregistered.data(), r.peer.segment(0), 0, 4096}});
+    CHECK(out.ec == kvlink::errc::not_registered);
+  }
+  SUBCASE("local range runs past its segment") {
+    auto out = r.run({r.req(opcode::read, r.local_mem.size() - 10, 0, 20)});
+    CHECK(out.ec == kvlink::errc::out_of_bounds);
+  }
+  SUBCASE("remote out of bounds") {
+    auto out = r.run({r.req(opcode::read, 0, r.remote_mem.size() - 10, 20)});
+    CHECK(out.ec == kvlink::errc::out_of_bounds);
+  }
+  SUBCASE("remote offset overflow") {
+    auto out = r.run({r.req(opcode::read, 0, ~0ull - 4, 10)});
+    CHECK(out.ec == kvlink::errc::out_of_bounds);
+  }
+  SUBCASE("access denied: WRITE into a read-only segment") {
+    auto out = r.run({r.req(opcode::write, 0, 0, 4096)});
+    CHECK(out.ec == kvlink::errc::access_denied);
+  }
+  SUBCASE("zero length") {
+    auto out = r.run({r.req(opcode::read, 0, 0, 0)});
+    CHECK(out.ec == kvlink::errc::invalid_argument);
+  }
+  SUBCASE("unknown peer") {
+    auto out = r.run({{opcode::read, r.local_mem.data(), kvlink::remote_segment{kvlink::peer_id{999}, r.remote_seg}, 0, 1}});
+    CHECK(out.ec == kvlink::errc::unknown_peer);
+  }
+  SUBCASE("a segment id the target never registered: the target refuses it") {
+    auto out = r.run({{opcode::read, r.local_mem.data(), r.peer.segment(kvlink::segment_id{77}), 0, 16}});
+    CHECK(out.ec == kvlink::errc::not_registered);
+    // ... and the connection survives it.
+    auto ok = r.run({r.req(opcode::read, 0, 0, 4096)});
+    CHECK_FALSE(ok.ec);
+  }
+  SUBCASE("one bad request fails the whole batch before anything moves") {
+    auto out = r.run({r.req(opcode::read, 0, 0, 4096), r.req(opcode::read, 0, r.remote_mem.size(), 1)});
+    CHECK(out.ec == kvlink::errc::out_of_bounds);
+    CHECK(out.result.bytes == 0);
+  }
+  CHECK(r.remote_mem == remote_before);
+}
+
+TEST_CASE("segments registered after the handshake reach the peer; unregistration waits and refuses") {
+  rig r;
+  std::vector<std::byte> extra(8192);
+  fill(extra, 9);
+  const auto id = r.target->register_segment(extra.data(), extra.size(), kvlink::access::remote_read);
+  REQUIRE(run_until(r.io, [&] { return r.peer.segments().size() == 2; }));
+  CHECK(r.peer.segments()[1].id == id);
+  auto out = r.run({{opcode::read, r.local_mem.data(), r.peer.segment(id), 0, extra.size()}});
+  REQUIRE_FALSE(out.ec);
+  CHECK(std::memcmp(r.local_mem.data(), extra.data(), extra.size()) == 0);
+
+  std::optional<std::error_code> unreg;
+  r.target->async_unregister_segment(id, [&](std::error_code ec) { unreg = ec; });
+  REQUIRE(run_until(r.io, [&] { return unreg.has_value(); }));
+  CHECK_FALSE(*unreg);
+  REQUIRE(run_until(r.io, [&] { return r.peer.segments().size() == 1; }));
+  auto after = r.run({{opcode::read, r.local_mem.data(), r.peer.segment(id), 0, 16}});
+  CHECK(after.ec == kvlink::errc::not_registered);
+
+  std::optional<std::error_code> twice;
+  r.target->async_unregister_segment(id, [&](std::error_code ec) { twice = ec; });
+  REQUIRE(run_until(r.io, [&] { return twice.has_value(); }));
+  CHECK(*twice == kvlink::errc::not_registered);
+}
+
+TEST_CASE("connect errors: unreachable, bad address") {
+  asio::io_context io;
+  kvlink::tcp_engine eng{io.get_executor(), test_config()};
+  // A port nobody listens on: bind one, close it.
+  std::uint16_t port = 0;
+  {
+    asio::ip::tcp::acceptor a{io, {asio::ip::make_address("127.0.0.1"), 0}};
+    port = a.local_endpoint().port();
+  }
+  std::optional<std::error_code> e1, e2;
+  eng.async_connect(fmt::format("127.0.0.1:{}", port), [&](std::error_code ec, kvlink::peer) { e1 = ec; });
+  eng.async_connect("no-port-here", [&](std::error_code ec, kvlink::peer) { e2 = ec; });
+  REQUIRE(run_until(io, [&] { return e1 && e2; }));
+  CHECK(*e1 == kvlink::errc::peer_unreachable);
+  CHECK(*e2 == kvlink::errc::invalid_argument);
+}
+
+TEST_CASE("connecting twice to a live peer reuses it") {
+  rig r;
+  auto again = r.connect(r.target->local_address());
+  CHECK(again.id() == r.peer.id());
+  CHECK(again.instance() == r.target->instance());
+}
+
+TEST_CASE("a restarted peer is a new instance") {
+  asio::io_context io;
+  kvlink::tcp_engine ini{io.get_executor(), test_config()};
+  std::vector<std::byte> mem(4096);
+  ini.register_segment(mem.data(), mem.size());
+  std::string addr;
+  kvlink::peer first, second;
+  {
+    kvlink::tcp_engine t{io.get_executor(), test_config()};
+    t.register_segment(mem.data(), 1024);
+    addr = t.local_address();
+    bool done = false;
+    ini.async_connect(addr, [&](std::error_code ec, kvlink::peer p) {
+      REQUIRE_FALSE(ec);
+      first = p;
+      done = true;
+    });
+    REQUIRE(run_until(io, [&] { return done; }));
+  }
+  // The old engine is gone: its connections close.
+  REQUIRE(run_until(io, [&] { return !first.connected(); }));
+  auto cfg = test_config();
+  cfg.listen = addr;  // same address, new instance
+  kvlink::tcp_engine t2{io.get_executor(), cfg};
+  bool done = false;
+  ini.async_connect(addr, [&](std::error_code ec, kvlink::peer p) {
+    REQUIRE_FALSE(ec);
+    second = p;
+    done = true;
+  });
+  REQUIRE(run_until(io, [&] { return done; }));
+  CHECK(second.id() != first.id());
+  CHECK(second.instance() == t2.instance());
+  CHECK(second.instance() != first.instance());
+  CHECK(second.segments().empty());  // nothing of the old instance is kept
+  auto out = std::optional<std::error_code>{};
+  std::vector<kvlink::transfer_request> reqs{{opcode::read, mem.data(), first.segment(kvlink::segment_id{1}), 0, 16}};
+  ini.async_submit_transfer(reqs, [&](std::error_code ec, kvlink::transfer_result) { out = ec; });
+  REQUIRE(run_until(io, [&] { return out.has_value(); }));
+  CHECK(*out != std::error_code{});
+}
+
+TEST_CASE("peer closing mid-transfer fails it with peer_closed, and later transfers fail fast") {
+  rig r{64u << 20};
+  fill(r.local_mem, 11);
+  std::optional<outcome> out;
+  r.initiator.async_submit_transfer(std::vector{r.req(opcode::write, 0, 0, r.local_mem.size())},
+                                    [&](std::error_code ec, kvlink::transfer_result res) { out = outcome{ec, res}; });
+  // Let some bytes flow, then the target goes away.
+  for (int i = 0; i < 20 && !out; ++i) r.io.run_one_for(10ms);
+  r.target.reset();
+  REQUIRE(run_until(r.io, [&] { return out.has_value(); }));
+  if (out->ec) {  // it may have finished before the target went away
+    CHECK(out->ec == kvlink::errc::peer_closed);
+    CHECK(out->result.bytes < r.local_mem.size());
+  }
+  REQUIRE(run_until(r.io, [&] { return !r.peer.connected(); }));
+  std::optional<std::error_code> later;
+  r.initiator.async_submit_transfer(std::vector{r.req(opcode::write, 0, 0, 16)},
+                                    [&](std::error_code ec, kvlink::transfer_result) { later = ec; });
+  REQUIRE(run_until(r.io, [&] { return later.has_value(); }));
+  CHECK(*later == kvlink::errc::peer_closed);
+}
+
+namespace {
+
+// A peer that completes the handshake and then never answers a data frame:
+// the way a hung process looks from outside.
+struct silent_peer {
+  asio::io_context io;
+  asio::ip::tcp::acceptor acceptor{io, {asio::ip::make_address("127.0.0.1"), 0}};
+  std::vector<asio::ip::tcp::socket> held;
+  std::thread thread;
+  unsigned protocol;
+
+  explicit silent_peer(unsigned proto = kvlink::protocol_version) : protocol(proto) {
+    thread = std::thread([this] {
+      for (int i = 0; i < 3; ++i) {
+        asio::ip::tcp::socket s{io};
+        std::error_code ec;
+        acceptor.accept(s, ec);
+        if (ec) return;
+        kvlink::control::prefix_bytes prefix{};
+        asio::read(s, asio::buffer(prefix), ec);
+        std::uint32_t len = 0;
+        if (ec || kvlink::control::decode_prefix(prefix, 1 << 20, len)) return;
+        std::string body(len, '\0');
+        asio::read(s, asio::buffer(body), ec);
+        kvlink::control::peer_descriptor d;
+        d.protocol = protocol;
+        d.instance = kvlink::instance_id{1, 2};
+        d.tcp_address = "127.0.0.1:1";
+        d.segments.push_back({kvlink::segment_id{1}, 0, 1u << 30, kvlink::access::remote_read_write, {}});
+        auto welcome = kvlink::control::make_welcome(d);
+        welcome["protocol"] = protocol;
+        asio::write(s, asio::buffer(kvlink::control::encode_message(welcome)), ec);
+        held.push_back(std::move(s));  // never read again
+      }
+    });
+  }
+  std::string address() const { return fmt::format("127.0.0.1:{}", acceptor.local_endpoint().port()); }
+  ~silent_peer() {
+    // Wakes the thread if it still waits in accept() (close() alone does not).
+    ::shutdown(acceptor.native_handle(), SHUT_RDWR);
+    std::error_code ignored;
+    thread.join();
+  }
+};
+
+}  // namespace
+
+TEST_CASE("a peer of another protocol version is refused with protocol_version_mismatch") {
+  silent_peer fake{kvlink::protocol_version + 1};
+  asio::io_context io;
+  kvlink::tcp_engine eng{io.get_executor(), test_config()};
+  std::optional<std::error_code> out;
+  eng.async_connect(fake.address(), [&](std::error_code ec, kvlink::peer) { out = ec; });
+  REQUIRE(run_until(io, [&] { return out.has_value(); }));
+  CHECK(*out == kvlink::errc::protocol_version_mismatch);
+}
+
+TEST_CASE("a hello of another protocol version gets a protocol_version_mismatch reply") {
+  asio::io_context io;
+  kvlink::tcp_engine eng{io.get_executor(), test_config()};
+  std::optional<nlohmann::json> reply;
+  std::thread client([&] {
+    asio::io_context cio;
+    asio::ip::tcp::socket s{cio};
+    s.connect({asio::ip::make_address("127.0.0.1"),
+               static_cast<std::uint16_t>(std::stoi(eng.local_address().substr(eng.local_address().rfind(':') + 1)))});
+    auto hello = kvlink::control::make_hello(kvlink::protocol_version + 7, kvlink::instance_id{5, 5},
+                                             kvlink::control::role::control);
+    asio::write(s, asio::buffer(kvlink::control::encode_message(hello)));
+    kvlink::control::prefix_bytes prefix{};
+    asio::read(s, asio::buffer(prefix));
+    std::uint32_t len = 0;
+    REQUIRE_FALSE(kvlink::control::decode_prefix(prefix, 1 << 20, len));
+    std::string body(len, '\0');
+    asio::read(s, asio::buffer(body));
+    reply = nlohmann::json::parse(body);
+  });
+  REQUIRE(run_until(io, [&] { return reply.has_value(); }));
+  client.join();
+  CHECK((*reply)["type"] == "error");
+  CHECK(kvlink::control::error_from_message(*reply) == kvlink::errc::protocol_version_mismatch);
+  CHECK((*reply)["message"].get<std::string>().find("protocol") != std::string::npos);
+}
+
+TEST_CASE("deadline: a silent peer fails the transfer in bounded time; the buffer is left alone afterwards") {
+  silent_peer fake;
+  asio::io_context io;
+  kvlink::tcp_engine eng{io.get_executor(), test_config()};
+  std::vector<std::byte> mem(32u << 20);
+  eng.register_segment(mem.data(), mem.size());
+  kvlink::peer p;
+  bool connected = false;
+  eng.async_connect(fake.address(), [&](std::error_code ec, kvlink::peer x) {
+    REQUIRE_MESSAGE(!ec, ec.message());
+    p = x;
+    connected = true;
+  });
+  REQUIRE(run_until(io, [&] { return connected; }));
+  for (const auto op : {opcode::write, opcode::read}) {
+    CAPTURE(kvlink::to_string(op));
+    std::optional<outcome> out;
+    std::vector<kvlink::transfer_request> reqs{{op, mem.data(), p.segment(0), 0, mem.size()}};
+    eng.async_submit_transfer(reqs, kvlink::transfer_options{.deadline = 100ms},
+                              [&](std::error_code ec, kvlink::transfer_result r) { out = outcome{ec, r}; });
+    REQUIRE(run_until(io, [&] { return out.has_value(); }, 20s));
+    if (op == opcode::write) {
+      CHECK(out->ec == kvlink::errc::deadline_exceeded);
+    } else {
+      // The WRITE's fence closed the peer's lanes: a READ fails at once.
+      CHECK((out->ec == kvlink::errc::deadline_exceeded || out->ec == kvlink::errc::peer_closed));
+    }
+    CHECK(out->result.bytes == 0);
+  }
+}
+
+TEST_CASE("cancellation: the handler gets errc::cancelled and no byte changes after it ran") {
+  rig r{64u << 20};
+  for (const auto op : {opcode::read, opcode::write}) {
+    CAPTURE(kvlink::to_string(op));
+    fill(r.local_mem, 21);
+    fill(r.remote_mem, 22);
+    asio::cancellation_signal sig;
+    std::optional<outcome> out;
+    std::vector<kvlink::transfer_request> reqs;
+    // Many requests: some are in flight when the cancel lands, some are not sent yet.
+    for (std::size_t off = 0; off < r.local_mem.size(); off += 1 << 20) reqs.push_back(r.req(op, off, off, 1 << 20));
+    r.initiator.async_submit_transfer(
+        reqs, asio::bind_cancellation_slot(sig.slot(), [&](std::error_code ec, kvlink::transfer_result res) {
+          out = outcome{ec, res};
+        }));
+    r.io.run_one_for(1ms);
+    sig.emit(asio::cancellation_type::terminal);
+    REQUIRE(run_until(r.io, [&] { return out.has_value(); }));
+    // Slices already in flight when the cancel lands still finish, so even a
+    // cancelled transfer may have moved every byte; the code says cancelled.
+    if (out->ec) CHECK(out->ec == kvlink::errc::cancelled);
+    // After the handler: nothing touches either buffer any more.
+    const auto local_after = r.local_mem;
+    const auto remote_after = r.remote_mem;
+    for (int i = 0; i < 50; ++i) r.io.run_one_for(2ms);
+    CHECK(r.local_mem == local_after);
+    CHECK(r.remote_mem == remote_after);
+    // And the connection is still good.
+    auto again = r.run({r.req(op, 0, 0, 4096)});
+    CHECK_FALSE(again.ec);
+  }
+}
+
+TEST_CASE("cancellation through awaitable operators (a timer racing the transfer)") {
+  using namespace asio::experimental::awaitable_operators;
+  rig r{64u << 20};
+  std::vector<kvlink::transfer_request> reqs;
+  for (std::size_t off = 0; off < r.local_mem.size(); off += 1 << 20) reqs.push_back(r.req(opcode::write, off, off, 1 << 20));
+  std::optional<std::size_t> winner;
+  asio::co_spawn(
+      r.io,
+      [&]() -> asio::awaitable<void> {
+        asio::steady_timer t{r.io, 1ms};
+        auto v = co_await (r.initiator.async_submit_transfer(reqs, asio::use_awaitable) || t.async_wait(asio::use_awaitable));
+        winner = v.index();
+      },
+      asio::detached);
+  REQUIRE(run_until(r.io, [&] { return winner.has_value(); }));
+  // Either finished first or was cancelled by the timer: no hang, no crash,
+  // and the engine still works afterwards.
+  auto again = r.run({r.req(opcode::write, 0, 0, 4096)});
+  CHECK_FALSE(again.ec);
+}
+
+namespace {
+
+// Opens a raw lane connection to an engine (hello as a lane) and returns the socket.
+asio::ip::tcp::socket raw_lane(asio::io_context& cio, const std::string& addr, const kvlink::instance_id& expect) {
+  asio::ip::tcp::socket s{cio};
+  const auto port = static_cast<std::uint16_t>(std::stoi(addr.substr(addr.rfind(':') + 1)));
+  s.connect({asio::ip::make_address("127.0.0.1"), port});
+  auto hello = kvlink::control::make_hello(kvlink::protocol_version, kvlink::instance_id{9, 9},
+                                           kvlink::control::role::lane, 0, expect);
+  asio::write(s, asio::buffer(kvlink::control::encode_message(hello)));
+  kvlink::control::prefix_bytes prefix{};
+  asio::read(s, asio::buffer(prefix));
+  std::uint32_t len = 0;
+  REQUIRE_FALSE(kvlink::control::decode_prefix(prefix, 1 << 20, len));
+  std::string body(len, '\0');
+  asio::read(s, asio::buffer(body));
+  REQUIRE(nlohmann::json::parse(body)["type"] == "welcome");
+  return s;
+}
+
+}  // namespace
+
+TEST_CASE("hostile clients: garbage, truncated frames, huge lengths, out-of-bounds offsets") {
+  asio::io_context io;
+  auto cfg = test_config();
+  cfg.max_frame_payload = 1 << 20;
+  cfg.slice_size = 256 << 10;
+  kvlink::tcp_engine target{io.get_executor(), cfg};
+  // The segment sits between two canaries inside one allocation.
+  constexpr std::size_t canary = 4096, seg_len = 64 * 1024;
+  std::vector<std::byte> arena(canary + seg_len + canary, std::byte{0xA5});
+  const auto seg = target.register_segment(arena.data() + canary, seg_len);
+  const auto id = target.instance();
+  const auto addr = target.local_address();
+
+  std::atomic<int> finished{0};
+  std::vector<std::string> notes;
+  std::thread attacker([&] {
+    asio::io_context cio;
+    auto frame = [](kvlink::tcp::frame_type t, std::uint64_t segid, std::uint64_t off, std::uint64_t len) {
+      kvlink::tcp::frame_header h;
+      h.type = t;
+      h.tag = 1;
+      h.segment = segid;
+      h.offset = off;
+      h.length = len;
+      return kvlink::tcp::encode(h);
+    };
+    auto expect_status = [&](asio::ip::tcp::socket& s, kvlink::errc want) {
+      kvlink::tcp::frame_bytes b{};
+      std::error_code ec;
+      asio::read(s, asio::buffer(b), ec);
+      REQUIRE_FALSE(ec);
+      kvlink::tcp::frame_header h;
+      REQUIRE_FALSE(kvlink::tcp::decode(b.data(), h));
+      CHECK(kvlink::tcp::status_to_error(h.status) == want);
+      CHECK(h.length == 0);
+    };
+    auto expect_closed = [&](asio::ip::tcp::socket& s) {
+      std::array<std::byte, 64> b{};
+      std::error_code ec;
+      asio::read(s, asio::buffer(b), ec);
+      CHECK(ec);  // eof or reset: the target hung up
+    };
+    {  // pure garbage instead of a hello
+      asio::ip::tcp::socket s{cio};
+      const auto port = static_cast<std::uint16_t>(std::stoi(addr.substr(addr.rfind(':') + 1)));
+      s.connect({asio::ip::make_address("127.0.0.1"), port});
+      std::string junk(1000, 'x');
+      std::error_code ec;
+      asio::write(s, asio::buffer(junk), ec);
+      expect_closed(s);
+    }
+    {  // garbage after a good lane hello
+      auto s = raw_lane(cio, addr, id);
+      std::vector<std::byte> junk(4096, std::byte{0x42});
+      std::error_code ec;
+      asio::write(s, asio::buffer(junk), ec);
+      expect_closed(s);
+    }
+    {  // out-of-bounds WRITE: payload drained, error status, connection kept
+      auto s = raw_lane(cio, addr, id);
+      auto h = frame(kvlink::tcp::frame_type::write_request, seg.value(), seg_len - 8, 64);
+      std::vector<std::byte> payload(64, std::byte{0xEE});
+      asio::write(s, std::array{asio::buffer(h), asio::buffer(payload)});
+      expect_status(s, kvlink::errc::out_of_bounds);
+      auto h2 = frame(kvlink::tcp::frame_type::read_request, seg.value(), ~0ull - 2, 16);  // offset overflow
+      asio::write(s, asio::buffer(h2));
+      expect_status(s, kvlink::errc::out_of_bounds);
+      auto h3 = frame(kvlink::tcp::frame_type::write_request, 12345, 0, 16);  // unknown segment
+      asio::write(s, std::array{asio::buffer(h3), asio::buffer(payload.data(), 16)});
+      expect_status(s, kvlink::errc::not_registered);
+      // still serving a good request on the same connection
+      auto h4 = frame(kvlink::tcp::frame_type::read_request, seg.value(), 0, 16);
+      asio::write(s, asio::buffer(h4));
+      kvlink::tcp::frame_bytes b{};
+      asio::read(s, asio::buffer(b));
+      kvlink::tcp::frame_header rh;
+      REQUIRE_FALSE(kvlink::tcp::decode(b.data(), rh));
+      CHECK(rh.status == 0);
+      CHECK(rh.length == 16);
+      std::array<std::byte, 16> data{};
+      asio::read(s, asio::buffer(data));
+    }
+    {  // a length above max_frame_payload: connection closed, nothing read into memory
+      auto s = raw_lane(cio, addr, id);
+      auto h = frame(kvlink::tcp::frame_type::write_request, seg.value(), 0, 1ull << 40);
+      asio::write(s, asio::buffer(h));
+      expect_closed(s);
+    }
+    {  // truncated frame then hang-up
+      auto s = raw_lane(cio, addr, id);
+      auto h = frame(kvlink::tcp::frame_type::write_request, seg.value(), 0, 1024);
+      asio::write(s, std::array{asio::buffer(h.data(), 20)});
+      s.close();
+    }
+    {  // truncated payload then hang-up: bytes that arrived land inside the segment only
+      auto s = raw_lane(cio, addr, id);
+      auto h = frame(kvlink::tcp::frame_type::write_request, seg.value(), seg_len - 1024, 1024);
+      std::vector<std::byte> part(512, std::byte{0x77});
+      asio::write(s, std::array{asio::buffer(h), asio::buffer(part)});
+      s.close();
+    }
+    {  // a response type sent to a target, and a bad version
+      auto s = raw_lane(cio, addr, id);
+      auto h = frame(kvlink::tcp::frame_type::write_ack, seg.value(), 0, 0);
+      asio::write(s, asio::buffer(h));
+      expect_closed(s);
+      auto s2 = raw_lane(cio, addr, id);
+      auto bad = frame(kvlink::tcp::frame_type::read_request, seg.value(), 0, 16);
+      bad[4] = std::byte{99};
+      asio::write(s2, asio::buffer(bad));
+      expect_closed(s2);
+    }
+    {  // a lane that expects another instance is refused
+      asio::ip::tcp::socket s{cio};
+      const auto port = static_cast<std::uint16_t>(std::stoi(addr.substr(addr.rfind(':') + 1)));
+      s.connect({asio::ip::make_address("127.0.0.1"), port});
+      auto hello = kvlink::control::make_hello(kvlink::protocol_version, kvlink::instance_id{9, 9},
+                                               kvlink::control::role::lane, 0, kvlink::instance_id{1, 1});
+      asio::write(s, asio::buffer(kvlink::control::encode_message(hello)));
+      kvlink::control::prefix_bytes prefix{};
+      asio::read(s, asio::buffer(prefix));
+      std::uint32_t len = 0;
+      REQUIRE_FALSE(kvlink::control::decode_prefix(prefix, 1 << 20, len));
+      std::string body(len, '\0');
+      asio::read(s, asio::buffer(body));
+      CHECK(kvlink::control::error_from_message(nlohmann::json::parse(body)) == kvlink::errc::instance_changed);
+    }
+    {  // an oversized control message
+      asio::ip::tcp::socket s{cio};
+      const auto port = static_cast<std::uint16_t>(std::stoi(addr.substr(addr.rfind(':') + 1)));
+      s.connect({asio::ip::make_address("127.0.0.1"), port});
+      auto prefix = kvlink::control::encode_prefix(0x7fffffff);
+      asio::write(s, asio::buffer(prefix));
+      kvlink::control::prefix_bytes rp{};
+      std::error_code ec;
+      asio::read(s, asio::buffer(rp), ec);
+      std::uint32_t len = 0;
+      if (!ec && !kvlink::control::decode_prefix(rp, 1 << 20, len)) {
+        std::string body(len, '\0');
+        asio::read(s, asio::buffer(body), ec);
+        CHECK(kvlink::control::error_from_message(nlohmann::json::parse(body)) == kvlink::errc::message_too_large);
+      }
+    }
+    finished = 1;
+  });
+  REQUIRE(run_until(io, [&] { return finished.load() == 1; }));
+  attacker.join();
+  for (int i = 0; i < 20; ++i) io.run_one_for(5ms);
+
+  // Canaries around the segment are intact.
+  for (std::size_t i = 0; i < canary; ++i) {
+    REQUIRE(arena[i] == std::byte{0xA5});
+    REQUIRE(arena[canary + seg_len + i] == std::byte{0xA5});
+  }
+  // And the target still serves a well-behaved engine.
+  kvlink::tcp_engine ini{io.get_executor(), test_config()};
+  std::vector<std::byte> mem(seg_len);
+  fill(mem, 99);
+  ini.register_segment(mem.data(), mem.size());
+  kvlink::peer p;
+  bool ok = false;
+  ini.async_connect(addr, [&](std::error_code ec, kvlink::peer x) {
+    REQUIRE_FALSE(ec);
+    p = x;
+    ok = true;
+  });
+  REQUIRE(run_until(io, [&] { return ok; }));
+  std::optional<std::error_code> w;
+  ini.async_submit_transfer(std::vector<kvlink::transfer_request>{{opcode::write, mem.data(), p.segment(0), 0, seg_len}},
+                            [&](std::error_code ec, kvlink::transfer_result) { w = ec; });
+  REQUIRE(run_until(io, [&] { return w.has_value(); }));
+  CHECK_FALSE(*w);
+  CHECK(std::memcmp(arena.data() + canary, mem.data(), seg_len) == 0);
+}
