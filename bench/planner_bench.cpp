@@ -10,13 +10,14 @@
 // descriptor (Google Benchmark's rates use CPU time), the figure the engine's
 // budget (<= 25 ns at 10^5) is stated in; the console prints it with a
 // trailing "s", the library's unit for inverted rates.
-#include <benchmark/benchmark.h>
+#include <kvlink/planner/slice_planner.hpp>
 
 #include <cstdint>
-#include <kvlink/planner/slice_planner.hpp>
 #include <random>
 #include <stdexcept>
 #include <vector>
+
+#include <benchmark/benchmark.h>
 
 namespace {
 

@@ -52,6 +52,18 @@
 #include <kvlink/planner/slice_planner.hpp>
 #include <kvlink/tcp/lane.hpp>
 
+#include <atomic>
+#include <chrono>
+#include <map>
+#include <memory>
+#include <optional>
+#include <span>
+#include <stdexcept>
+#include <string>
+#include <system_error>
+#include <unordered_map>
+#include <vector>
+
 #include <asio/any_io_executor.hpp>
 #include <asio/associated_cancellation_slot.hpp>
 #include <asio/async_result.hpp>
@@ -66,20 +78,7 @@
 #include <asio/steady_timer.hpp>
 #include <asio/strand.hpp>
 #include <asio/use_awaitable.hpp>
-
 #include <fmt/format.h>
-
-#include <atomic>
-#include <chrono>
-#include <map>
-#include <memory>
-#include <optional>
-#include <span>
-#include <stdexcept>
-#include <string>
-#include <system_error>
-#include <unordered_map>
-#include <vector>
 
 namespace kvlink {
 
@@ -138,7 +137,9 @@ class peer {
   /// Which transport carries its data ("tcp").
   const std::string& transport() const { return checked().transport; }
   /// False once its connections were lost or closed.
-  bool connected() const noexcept { return state_ && state_->alive.load(std::memory_order_acquire); }
+  bool connected() const noexcept {
+    return state_ && state_->alive.load(std::memory_order_acquire);
+  }
 
   /// Its segments as last announced (ordered by id). Registrations the peer
   /// makes later are pushed to this engine over the control channel.
@@ -151,8 +152,8 @@ class peer {
   remote_segment segment(std::size_t index) const {
     const auto segs = segments();
     if (index >= segs.size()) {
-      throw std::out_of_range(fmt::format("kvlink: peer {} has {} segments, no segment #{}", address(),
-                                          segs.size(), index));
+      throw std::out_of_range(fmt::format("kvlink: peer {} has {} segments, no segment #{}",
+                                          address(), segs.size(), index));
     }
     return remote_segment{id(), segs[index].id};
   }
@@ -195,7 +196,8 @@ inline constexpr auto use_nothrow = asio::experimental::as_tuple(asio::use_await
 /// Closes a socket if a set-up step takes longer than its timeout.
 class watchdog {
  public:
-  watchdog(const asio::any_io_executor& ex, asio::ip::tcp::socket& s, std::chrono::milliseconds timeout)
+  watchdog(const asio::any_io_executor& ex, asio::ip::tcp::socket& s,
+           std::chrono::milliseconds timeout)
       : timer_(ex), state_(std::make_shared<state>(state{&s, true, false})) {
     timer_.expires_after(timeout);
     timer_.async_wait([st = state_](std::error_code ec) {
@@ -223,14 +225,16 @@ class watchdog {
   std::shared_ptr<state> state_;
 };
 
-inline asio::awaitable<std::error_code> write_message(asio::ip::tcp::socket& s, const nlohmann::json& msg) {
+inline asio::awaitable<std::error_code> write_message(asio::ip::tcp::socket& s,
+                                                      const nlohmann::json& msg) {
   const std::string bytes = control::encode_message(msg);
   auto [ec, n] = co_await asio::async_write(s, asio::buffer(bytes), use_nothrow);
   (void)n;
   co_return ec ? tcp::map_socket_error(ec) : std::error_code{};
 }
 
-inline asio::awaitable<std::error_code> read_message(asio::ip::tcp::socket& s, std::uint64_t max, nlohmann::json& out) {
+inline asio::awaitable<std::error_code> read_message(asio::ip::tcp::socket& s, std::uint64_t max,
+                                                     nlohmann::json& out) {
   control::prefix_bytes prefix{};
   auto [ec, n] = co_await asio::async_read(s, asio::buffer(prefix), use_nothrow);
   (void)n;
@@ -258,14 +262,16 @@ inline std::error_code split_address(std::string_view text, std::string& host, s
 
 inline std::string format_endpoint(const asio::ip::tcp::endpoint& ep) {
   const auto a = ep.address();
-  return a.is_v6() ? fmt::format("[{}]:{}", a.to_string(), ep.port()) : fmt::format("{}:{}", a.to_string(), ep.port());
+  return a.is_v6() ? fmt::format("[{}]:{}", a.to_string(), ep.port())
+                   : fmt::format("{}:{}", a.to_string(), ep.port());
 }
 
 // The engine's state. Shared so that pending handlers keep it alive after
 // the engine object is gone; everything below `strand-only` is touched only
 // on the strand.
 template <class Transport>
-class engine_core final : public transport_host, public std::enable_shared_from_this<engine_core<Transport>> {
+class engine_core final : public transport_host,
+                          public std::enable_shared_from_this<engine_core<Transport>> {
  public:
   using strand_type = asio::strand<asio::any_io_executor>;
   using transfer_handler = erased_handler<void(std::error_code, transfer_result)>;
@@ -284,15 +290,17 @@ class engine_core final : public transport_host, public std::enable_shared_from_
     }
     std::string host, port;
     if (split_address(cfg_.listen, host, port)) {
-      throw std::system_error(make_error_code(errc::invalid_argument),
-                              fmt::format("kvlink: listen address '{}' is not host:port", cfg_.listen));
+      throw std::system_error(
+          make_error_code(errc::invalid_argument),
+          fmt::format("kvlink: listen address '{}' is not host:port", cfg_.listen));
     }
     asio::ip::tcp::resolver resolver(strand_);
     std::error_code ec;
     const auto results = resolver.resolve(host, port, asio::ip::tcp::resolver::passive, ec);
     if (ec || results.empty()) {
-      throw std::system_error(ec ? ec : make_error_code(errc::invalid_argument),
-                              fmt::format("kvlink: cannot resolve listen address '{}'", cfg_.listen));
+      throw std::system_error(
+          ec ? ec : make_error_code(errc::invalid_argument),
+          fmt::format("kvlink: cannot resolve listen address '{}'", cfg_.listen));
     }
     const auto ep = results.begin()->endpoint();
     acceptor_.open(ep.protocol());
@@ -303,9 +311,7 @@ class engine_core final : public transport_host, public std::enable_shared_from_
     local_address_ = format_endpoint(acceptor_.local_endpoint());
   }
 
-  void start() {
-    asio::co_spawn(strand_, accept_loop(this->shared_from_this()), asio::detached);
-  }
+  void start() { asio::co_spawn(strand_, accept_loop(this->shared_from_this()), asio::detached); }
 
   // ------------------------------------------------------------ public API
 
@@ -315,7 +321,8 @@ class engine_core final : public transport_host, public std::enable_shared_from_
   segment_registry& registry() noexcept { return registry_; }
   strand_type& strand() noexcept { return strand_; }
 
-  segment_id register_segment(const void* base, std::uint64_t length, access granted, std::error_code& ec) {
+  segment_id register_segment(const void* base, std::uint64_t length, access granted,
+                              std::error_code& ec) {
     const auto id = registry_.add(base, length, granted, ec);
     if (!ec) announce_segments();
     return id;
@@ -338,13 +345,17 @@ class engine_core final : public transport_host, public std::enable_shared_from_
   }
 
   void connect(std::string address, connect_handler h) {
-    asio::co_spawn(strand_, connect_impl(this->shared_from_this(), std::move(address), std::move(h)), asio::detached);
+    asio::co_spawn(strand_,
+                   connect_impl(this->shared_from_this(), std::move(address), std::move(h)),
+                   asio::detached);
   }
 
-  void submit(std::uint64_t id, std::vector<transfer_request> reqs, transfer_options opts, transfer_handler h,
-              asio::cancellation_slot slot) {
-    asio::post(strand_, [self = this->shared_from_this(), id, reqs = std::move(reqs), opts, h = std::move(h),
-                         slot]() mutable { self->start_transfer(id, std::move(reqs), opts, std::move(h), slot); });
+  void submit(std::uint64_t id, std::vector<transfer_request> reqs, transfer_options opts,
+              transfer_handler h, asio::cancellation_slot slot) {
+    asio::post(strand_, [self = this->shared_from_this(), id, reqs = std::move(reqs), opts,
+                         h = std::move(h), slot]() mutable {
+      self->start_transfer(id, std::move(reqs), opts, std::move(h), slot);
+    });
   }
 
   std::uint64_t next_op_id() noexcept { return next_op_.fetch_add(1, std::memory_order_relaxed); }
@@ -406,8 +417,8 @@ class engine_core final : public transport_host, public std::enable_shared_from_
     return it == ops_.end() ? nullptr : it->second.get();
   }
 
-  void start_transfer(std::uint64_t id, std::vector<transfer_request> reqs, transfer_options opts, transfer_handler h,
-                      asio::cancellation_slot slot) {
+  void start_transfer(std::uint64_t id, std::vector<transfer_request> reqs, transfer_options opts,
+                      transfer_handler h, asio::cancellation_slot slot) {
     auto owned = std::make_unique<transfer_op>();
     auto* op = owned.get();
     op->id = id;
@@ -450,8 +461,8 @@ class engine_core final : public transport_host, public std::enable_shared_from_
       std::vector<bool> used(g.p->lanes.size(), false);
       for (const auto& s : slices) {
         auto& l = g.p->lanes[s.lane];
-        l->enqueue(slice_ref{op, reinterpret_cast<std::byte*>(s.local_addr), s.length, s.remote_segment.value(),
-                             s.remote_offset, s.op, 0});
+        l->enqueue(slice_ref{op, reinterpret_cast<std::byte*>(s.local_addr), s.length,
+                             s.remote_segment.value(), s.remote_offset, s.op, 0});
         ++op->pending;
         if (!used[s.lane]) {
           used[s.lane] = true;
@@ -487,12 +498,14 @@ class engine_core final : public transport_host, public std::enable_shared_from_
     auto it = peers_.find(r.remote.peer.value());
     if (it == peers_.end()) return errc::unknown_peer;
     const auto& p = it->second;
-    if (!p->alive.load(std::memory_order_relaxed)) return p->failure ? p->failure : errc::peer_closed;
+    if (!p->alive.load(std::memory_order_relaxed))
+      return p->failure ? p->failure : errc::peer_closed;
     // The cached descriptor catches mistakes early; an id the cache does not
     // know yet (registered a moment ago) is left to the target, which checks
     // every frame anyway.
     if (auto known = cache_->get(p->instance, r.remote.segment)) {
-      if (auto ec = cache_->check(p->instance, r.remote.segment, r.remote_offset, r.length, required_access(r.op))) {
+      if (auto ec = cache_->check(p->instance, r.remote.segment, r.remote_offset, r.length,
+                                  required_access(r.op))) {
         return ec;
       }
     } else if (!r.remote.segment.valid()) {
@@ -503,8 +516,8 @@ class engine_core final : public transport_host, public std::enable_shared_from_
       groups.push_back({p, {}});
       g = std::prev(groups.end());
     }
-    g->items.push_back(plan_request{r.op, reinterpret_cast<std::uintptr_t>(r.local), local.id, r.remote.segment,
-                                    r.remote_offset, r.length});
+    g->items.push_back(plan_request{r.op, reinterpret_cast<std::uintptr_t>(r.local), local.id,
+                                    r.remote.segment, r.remote_offset, r.length});
     return {};
   }
 
@@ -575,7 +588,8 @@ class engine_core final : public transport_host, public std::enable_shared_from_
 
   void announce_segments_now() {
     if (sessions_.empty()) return;
-    const nlohmann::json msg{{"type", "segments"}, {"segments", control::segments_to_json(local_segments())}};
+    const nlohmann::json msg{{"type", "segments"},
+                             {"segments", control::segments_to_json(local_segments())}};
     std::erase_if(sessions_, [](const auto& s) { return s->closed(); });
     for (auto& s : sessions_) s->send(msg);
   }
@@ -583,7 +597,8 @@ class engine_core final : public transport_host, public std::enable_shared_from_
   std::vector<remote_segment_info> local_segments() const {
     std::vector<remote_segment_info> out;
     for (const auto& s : registry_.snapshot()) {
-      out.push_back(remote_segment_info{s.id, static_cast<std::uint64_t>(s.base), s.length, s.granted, {}});
+      out.push_back(
+          remote_segment_info{s.id, static_cast<std::uint64_t>(s.base), s.length, s.granted, {}});
     }
     return out;
   }
@@ -593,20 +608,25 @@ class engine_core final : public transport_host, public std::enable_shared_from_
     d.instance = self_;
     d.tcp_address = local_address_;
     d.segments = local_segments();
-    d.transports = {{std::string(Transport::name), {{"address", local_address_}, {"lanes", cfg_.tcp_lanes}}}};
+    d.transports = {
+        {std::string(Transport::name), {{"address", local_address_}, {"lanes", cfg_.tcp_lanes}}}};
     return d;
   }
 
   // Opens one connection and runs the hello exchange on it.
   asio::awaitable<std::error_code> open_connection(asio::ip::tcp::socket& s,
                                                    const asio::ip::tcp::resolver::results_type& eps,
-                                                   const nlohmann::json& hello, nlohmann::json& reply) {
+                                                   const nlohmann::json& hello,
+                                                   nlohmann::json& reply) {
     watchdog dog(strand_, s, cfg_.connect_timeout);
     auto [ec, ep] = co_await asio::async_connect(s, eps, use_nothrow);
     (void)ep;
-    if (ec) co_return dog.fired() ? std::error_code{errc::peer_unreachable} : std::error_code{errc::peer_unreachable};
+    if (ec)
+      co_return dog.fired() ? std::error_code{errc::peer_unreachable}
+                            : std::error_code{errc::peer_unreachable};
     tcp::tune_socket(s, cfg_.tcp_nodelay, cfg_.socket_buffer);
-    if (auto wec = co_await write_message(s, hello)) co_return dog.fired() ? errc::peer_unreachable : wec;
+    if (auto wec = co_await write_message(s, hello))
+      co_return dog.fired() ? errc::peer_unreachable : wec;
     if (auto rec = co_await read_message(s, cfg_.max_control_message, reply)) {
       co_return dog.fired() ? errc::peer_unreachable : rec;
     }
@@ -636,11 +656,14 @@ class engine_core final : public transport_host, public std::enable_shared_from_
 
     asio::ip::tcp::socket control_socket(strand_);
     nlohmann::json welcome;
-    if (auto ec = co_await open_connection(control_socket, eps, control::make_hello(protocol_version, self_, control::role::control), welcome)) {
+    if (auto ec = co_await open_connection(
+            control_socket, eps,
+            control::make_hello(protocol_version, self_, control::role::control), welcome)) {
       co_return ec;
     }
     control::peer_descriptor desc;
-    if (auto ec = control::from_json(welcome.value("descriptor", nlohmann::json{}), desc)) co_return ec;
+    if (auto ec = control::from_json(welcome.value("descriptor", nlohmann::json{}), desc))
+      co_return ec;
 
     // Connections are reused: one live peer per instance.
     for (auto& [pid, p] : peers_) {
@@ -669,16 +692,20 @@ class engine_core final : public transport_host, public std::enable_shared_from_
     for (std::uint32_t i = 0; i < cfg_.tcp_lanes; ++i) {
       asio::ip::tcp::socket s(strand_);
       nlohmann::json reply;
-      if (auto ec = co_await open_connection(s, eps, control::make_hello(protocol_version, self_, control::role::lane, i, desc.instance), reply)) {
+      if (auto ec = co_await open_connection(
+              s, eps,
+              control::make_hello(protocol_version, self_, control::role::lane, i, desc.instance),
+              reply)) {
         for (auto& l : p->lanes) l->fail(ec);
         co_return ec;
       }
-      auto lane = std::make_shared<tcp::lane>(std::move(s), *this, cfg_.max_inflight_per_lane,
-                                              [w = this->weak_from_this(), wp = std::weak_ptr<peer_state>(p)](std::error_code ec) {
-                                                auto self = w.lock();
-                                                auto pp = wp.lock();
-                                                if (self && pp) self->peer_failed(pp, ec);
-                                              });
+      auto lane = std::make_shared<tcp::lane>(
+          std::move(s), *this, cfg_.max_inflight_per_lane,
+          [w = this->weak_from_this(), wp = std::weak_ptr<peer_state>(p)](std::error_code ec) {
+            auto self = w.lock();
+            auto pp = wp.lock();
+            if (self && pp) self->peer_failed(pp, ec);
+          });
       p->lanes.push_back(std::move(lane));
       p->weights.push_back(1.0);
     }
@@ -686,7 +713,8 @@ class engine_core final : public transport_host, public std::enable_shared_from_
       for (auto& l : p->lanes) l->fail(errc::cancelled);
       co_return errc::cancelled;
     }
-    p->control = std::make_shared<control_channel>(std::move(control_socket), cfg_.max_control_message);
+    p->control =
+        std::make_shared<control_channel>(std::move(control_socket), cfg_.max_control_message);
     peers_.emplace(p->id.value(), p);
     for (auto& l : p->lanes) l->start();
     std::weak_ptr<peer_state> wp = p;
@@ -729,7 +757,8 @@ class engine_core final : public transport_host, public std::enable_shared_from_
     }
   }
 
-  static asio::awaitable<void> serve_connection(std::shared_ptr<engine_core> self, asio::ip::tcp::socket s) {
+  static asio::awaitable<void> serve_connection(std::shared_ptr<engine_core> self,
+                                                asio::ip::tcp::socket s) {
     nlohmann::json msg;
     control::hello hello;
     std::error_code ec;
@@ -749,14 +778,15 @@ class engine_core final : public transport_host, public std::enable_shared_from_
       tcp::tune_socket(s, self->cfg_.tcp_nodelay, self->cfg_.socket_buffer);
       const auto reply = hello.r == control::role::control
                              ? control::make_welcome(self->descriptor())
-                             : nlohmann::json{{"type", "welcome"}, {"protocol", protocol_version},
+                             : nlohmann::json{{"type", "welcome"},
+                                              {"protocol", protocol_version},
                                               {"instance", to_string(self->self_)}};
       if (co_await write_message(s, reply) || dog.fired()) co_return;
     }
     if (self->shut_) co_return;
     if (hello.r == control::role::lane) {
-      auto server = std::make_shared<typename Transport::server_type>(std::move(s), self->registry_, *self,
-                                                                      self->cfg_.max_frame_payload);
+      auto server = std::make_shared<typename Transport::server_type>(
+          std::move(s), self->registry_, *self, self->cfg_.max_frame_payload);
       std::erase_if(self->servers_, [](const auto& w) { return w.expired(); });
       self->servers_.push_back(server);
       server->start();
@@ -801,7 +831,9 @@ class basic_engine {
   /// Binds and starts listening on cfg.listen. Throws std::system_error
   /// (invalid config, address in use) with the reason in what().
   explicit basic_engine(const executor_type& ex, config cfg = {})
-      : ex_(ex), core_(std::make_shared<detail::engine_core<Transport>>(asio::any_io_executor(ex), std::move(cfg))) {
+      : ex_(ex),
+        core_(std::make_shared<detail::engine_core<Transport>>(asio::any_io_executor(ex),
+                                                               std::move(cfg))) {
     core_->start();
   }
 
@@ -826,15 +858,18 @@ class basic_engine {
   /// allows, and so that it can be the local side of transfers. Connected
   /// peers learn of it through their control channel. Errors:
   /// invalid_argument (null, zero length), overlapping_registration.
-  segment_id register_segment(void* base, std::uint64_t length, access granted, std::error_code& ec) {
+  segment_id register_segment(void* base, std::uint64_t length, access granted,
+                              std::error_code& ec) {
     return core_->register_segment(base, length, granted, ec);
   }
   /// As above; throws std::system_error.
-  segment_id register_segment(void* base, std::uint64_t length, access granted = access::remote_read_write) {
+  segment_id register_segment(void* base, std::uint64_t length,
+                              access granted = access::remote_read_write) {
     std::error_code ec;
     const auto id = register_segment(base, length, granted, ec);
     if (ec) {
-      throw std::system_error(ec, fmt::format("kvlink: register_segment({}, {} bytes)", base, length));
+      throw std::system_error(ec,
+                              fmt::format("kvlink: register_segment({}, {} bytes)", base, length));
     }
     return id;
   }
@@ -843,10 +878,12 @@ class basic_engine {
   /// once no peer's frame touches the segment any more: then its memory may
   /// be freed. New frames for it are refused from the moment it is called.
   template <class Token = asio::default_completion_token_t<executor_type>>
-  auto async_unregister_segment(segment_id id, Token&& token = asio::default_completion_token_t<executor_type>{}) {
+  auto async_unregister_segment(segment_id id,
+                                Token&& token = asio::default_completion_token_t<executor_type>{}) {
     return asio::async_initiate<Token, void(std::error_code)>(
         [this](auto handler, segment_id sid) {
-          core_->unregister_segment(sid, detail::erased_handler<void(std::error_code)>(std::move(handler), ex_));
+          core_->unregister_segment(
+              sid, detail::erased_handler<void(std::error_code)>(std::move(handler), ex_));
         },
         token, id);
   }
@@ -856,10 +893,12 @@ class basic_engine {
   /// protocol_version_mismatch, malformed_message, instance_changed.
   /// Connecting again to a live peer returns the same handle.
   template <class Token = asio::default_completion_token_t<executor_type>>
-  auto async_connect(std::string address, Token&& token = asio::default_completion_token_t<executor_type>{}) {
+  auto async_connect(std::string address,
+                     Token&& token = asio::default_completion_token_t<executor_type>{}) {
     return asio::async_initiate<Token, void(std::error_code, peer)>(
         [this](auto handler, std::string addr) {
-          core_->connect(std::move(addr), detail::erased_handler<void(std::error_code, peer)>(std::move(handler), ex_));
+          core_->connect(std::move(addr), detail::erased_handler<void(std::error_code, peer)>(
+                                              std::move(handler), ex_));
         },
         token, std::move(address));
   }
@@ -886,7 +925,9 @@ class basic_engine {
             });
           }
           core_->submit(id, std::move(reqs), opts,
-                        detail::erased_handler<void(std::error_code, transfer_result)>(std::move(handler), ex_), slot);
+                        detail::erased_handler<void(std::error_code, transfer_result)>(
+                            std::move(handler), ex_),
+                        slot);
         },
         token, std::vector<transfer_request>(requests.begin(), requests.end()), options);
   }

@@ -14,8 +14,6 @@
 #include <kvlink/core/types.hpp>
 #include <kvlink/version.hpp>
 
-#include <nlohmann/json.hpp>
-
 #include <array>
 #include <cstdint>
 #include <cstring>
@@ -23,6 +21,8 @@
 #include <string>
 #include <string_view>
 #include <vector>
+
+#include <nlohmann/json.hpp>
 
 namespace kvlink::control {
 
@@ -54,7 +54,8 @@ inline std::error_code decode_prefix(const prefix_bytes& p, std::uint64_t max_bo
     return errc::malformed_message;
   }
   if (len == 0 || len > max_body) {
-    return len == 0 ? std::error_code{errc::malformed_message} : std::error_code{errc::message_too_large};
+    return len == 0 ? std::error_code{errc::malformed_message}
+                    : std::error_code{errc::message_too_large};
   }
   body_length = len;
   return {};
@@ -83,10 +84,14 @@ inline std::error_code parse_message(std::string_view body, nlohmann::json& out)
 
 inline std::string to_string(access a) {
   switch (a) {
-    case access::none: return "";
-    case access::remote_read: return "r";
-    case access::remote_write: return "w";
-    case access::remote_read_write: return "rw";
+    case access::none:
+      return "";
+    case access::remote_read:
+      return "r";
+    case access::remote_write:
+      return "w";
+    case access::remote_read_write:
+      return "rw";
   }
   return "";
 }
@@ -127,22 +132,26 @@ bool get_field(const nlohmann::json& j, const char* key, T& out) {
 struct peer_descriptor {
   unsigned protocol = protocol_version;
   instance_id instance{};
-  std::string tcp_address;                      ///< host:port of its listener
-  std::vector<remote_segment_info> segments;    ///< ordered by id
+  std::string tcp_address;                               ///< host:port of its listener
+  std::vector<remote_segment_info> segments;             ///< ordered by id
   nlohmann::json transports = nlohmann::json::object();  ///< per-transport details
 };
 
 inline nlohmann::json segments_to_json(const std::vector<remote_segment_info>& segs) {
   auto arr = nlohmann::json::array();
   for (const auto& s : segs) {
-    nlohmann::json js{{"id", s.id.value()}, {"base", s.base}, {"length", s.length}, {"access", to_string(s.granted)}};
+    nlohmann::json js{{"id", s.id.value()},
+                      {"base", s.base},
+                      {"length", s.length},
+                      {"access", to_string(s.granted)}};
     if (!s.rkeys.empty()) js["rkeys"] = s.rkeys;
     arr.push_back(std::move(js));
   }
   return arr;
 }
 
-inline std::error_code segments_from_json(const nlohmann::json& arr, std::vector<remote_segment_info>& out) {
+inline std::error_code segments_from_json(const nlohmann::json& arr,
+                                          std::vector<remote_segment_info>& out) {
   if (!arr.is_array()) return errc::malformed_message;
   out.clear();
   out.reserve(arr.size());
@@ -162,7 +171,8 @@ inline std::error_code segments_from_json(const nlohmann::json& arr, std::vector
     if (const auto it = js.find("rkeys"); it != js.end()) {
       if (!it->is_array()) return errc::malformed_message;
       for (const auto& k : *it) {
-        if (!k.is_number_unsigned() || k.get<std::uint64_t>() > 0xffffffffu) return errc::malformed_message;
+        if (!k.is_number_unsigned() || k.get<std::uint64_t>() > 0xffffffffu)
+          return errc::malformed_message;
         s.rkeys.push_back(k.get<std::uint32_t>());
       }
     }
@@ -205,7 +215,8 @@ inline std::error_code from_json(const nlohmann::json& j, peer_descriptor& d) {
 enum class role { control, lane };
 
 /// First message on every connection, from the connecting side.
-inline nlohmann::json make_hello(unsigned protocol, const instance_id& self, role r, std::uint32_t lane = 0,
+inline nlohmann::json make_hello(unsigned protocol, const instance_id& self, role r,
+                                 std::uint32_t lane = 0,
                                  std::optional<instance_id> expect = std::nullopt) {
   nlohmann::json j{{"type", "hello"},
                    {"protocol", protocol},
@@ -236,7 +247,8 @@ inline std::error_code parse_hello(const nlohmann::json& j, hello& h) {
   if (h.protocol != protocol_version) return errc::protocol_version_mismatch;
   std::string inst;
   std::string r;
-  if (!get_field(j, "instance", inst) || !get_field(j, "role", r) || !get_field(j, "lane", h.lane)) {
+  if (!get_field(j, "instance", inst) || !get_field(j, "role", r) ||
+      !get_field(j, "lane", h.lane)) {
     return errc::malformed_message;
   }
   const auto id = parse_instance_id(inst);
@@ -263,8 +275,11 @@ inline nlohmann::json make_error(std::error_code ec, std::string_view detail = {
     msg += ": ";
     msg += detail;
   }
-  return {{"type", "error"}, {"code", ec.category() == error_category() ? ec.value() : static_cast<int>(errc::malformed_message)},
-          {"protocol", protocol_version}, {"message", msg}};
+  return {{"type", "error"},
+          {"code", ec.category() == error_category() ? ec.value()
+                                                     : static_cast<int>(errc::malformed_message)},
+          {"protocol", protocol_version},
+          {"message", msg}};
 }
 
 /// Turns an "error" reply into an error code (unknown codes: malformed).

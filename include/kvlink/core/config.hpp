@@ -22,8 +22,7 @@
 #pragma once
 
 #include <kvlink/core/error.hpp>
-
-#include <nlohmann/json.hpp>
+#include <kvlink/detail/text.hpp>
 
 #include <algorithm>
 #include <array>
@@ -44,6 +43,8 @@
 #include <utility>
 #include <variant>
 #include <vector>
+
+#include <nlohmann/json.hpp>
 
 namespace kvlink {
 
@@ -80,7 +81,7 @@ struct config {
   /// RDMA engine: may fall back to TCP for peers without RDMA.
   bool allow_tcp_fallback = true;
   /// Comma-separated device names; empty = all.
-  std::string rdma_devices;
+  std::string rdma_devices{};
   /// -1 = pick a RoCEv2 GID automatically.
   std::int32_t rdma_gid_index = -1;
   std::uint32_t rdma_qps_per_endpoint = 2;
@@ -192,18 +193,6 @@ inline constexpr std::string_view size_units_help =
     "MB, GB, TB (10^3..10^12), e.g. \"4MiB\"";
 inline constexpr std::string_view duration_units_help =
     "a whole number of milliseconds, optionally with a unit: ms, s, min, h, e.g. \"250ms\", \"2s\"";
-
-constexpr char ascii_lower(char c) noexcept {
-  return c >= 'A' && c <= 'Z' ? static_cast<char>(c - 'A' + 'a') : c;
-}
-
-constexpr bool iequals(std::string_view a, std::string_view b) noexcept {
-  if (a.size() != b.size()) return false;
-  for (std::size_t i = 0; i < a.size(); ++i) {
-    if (ascii_lower(a[i]) != ascii_lower(b[i])) return false;
-  }
-  return true;
-}
 
 constexpr std::string_view trim(std::string_view s) noexcept {
   while (!s.empty() && (s.front() == ' ' || s.front() == '\t')) s.remove_prefix(1);
@@ -347,11 +336,6 @@ inline std::optional<std::uint64_t> json_unsigned(const nlohmann::json& j) {
     return static_cast<std::uint64_t>(j.get<std::int64_t>());
   }
   return std::nullopt;
-}
-
-inline std::error_code fail(std::string* what, std::string message) {
-  if (what != nullptr) *what = std::move(message);
-  return errc::invalid_argument;
 }
 
 // Stores an unsigned value into a u64 or u32 member (range-checked).

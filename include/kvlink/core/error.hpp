@@ -15,23 +15,23 @@ namespace kvlink {
 /// kvlink's error conditions. Zero is never used: a default-constructed
 /// std::error_code means success.
 enum class errc : int {
-  not_registered = 1,       ///< memory or segment id not registered
-  out_of_bounds,            ///< (offset, length) outside the segment
-  access_denied,            ///< the segment does not grant this access
-  overlapping_registration, ///< new segment overlaps a registered one
-  invalid_argument,         ///< a request or setting makes no sense
-  peer_unreachable,         ///< could not connect to the peer
-  peer_closed,              ///< the peer closed or lost the connection
-  protocol_version_mismatch,///< the peer speaks another protocol version
-  malformed_message,        ///< a frame or message failed validation
-  deadline_exceeded,        ///< the transfer's deadline passed
-  cancelled,                ///< cancelled by the caller
-  no_device,                ///< no usable (RDMA) device on this machine
-  queue_full,               ///< too much work outstanding
-  unknown_peer,             ///< the peer handle is stale or unknown
-  message_too_large,        ///< a message exceeds the configured bound
-  transport_unavailable,    ///< the transport is not offered by both peers
-  instance_changed,         ///< the peer restarted: cached state is stale
+  not_registered = 1,         ///< memory or segment id not registered
+  out_of_bounds,              ///< (offset, length) outside the segment
+  access_denied,              ///< the segment does not grant this access
+  overlapping_registration,   ///< new segment overlaps a registered one
+  invalid_argument,           ///< a request or setting makes no sense
+  peer_unreachable,           ///< could not connect to the peer
+  peer_closed,                ///< the peer closed or lost the connection
+  protocol_version_mismatch,  ///< the peer speaks another protocol version
+  malformed_message,          ///< a frame or message failed validation
+  deadline_exceeded,          ///< the transfer's deadline passed
+  cancelled,                  ///< cancelled by the caller
+  no_device,                  ///< no usable (RDMA) device on this machine
+  queue_full,                 ///< too much work outstanding
+  unknown_peer,               ///< the peer handle is stale or unknown
+  message_too_large,          ///< a message exceeds the configured bound
+  transport_unavailable,      ///< the transport is not offered by both peers
+  instance_changed,           ///< the peer restarted: cached state is stale
 };
 
 namespace detail {

@@ -105,15 +105,16 @@ struct transfer_request {
 /// What a completed transfer did. Filled also when it failed (bytes moved
 /// before the failure are counted in `bytes`).
 struct transfer_result {
-  std::uint64_t bytes = 0;      ///< payload bytes that reached their destination
-  std::uint32_t requests = 0;   ///< requests submitted
-  std::uint32_t slices = 0;     ///< slices the planner cut (after coalescing)
-  std::uint32_t lanes = 0;      ///< distinct lanes that carried slices
+  std::uint64_t bytes = 0;               ///< payload bytes that reached their destination
+  std::uint32_t requests = 0;            ///< requests submitted
+  std::uint32_t slices = 0;              ///< slices the planner cut (after coalescing)
+  std::uint32_t lanes = 0;               ///< distinct lanes that carried slices
   std::chrono::nanoseconds duration{0};  ///< from submission to completion
 
   /// Bandwidth in GB/s (10^9 bytes per second); 0 when no time elapsed.
   double gb_per_s() const noexcept {
-    return duration.count() > 0 ? static_cast<double>(bytes) / static_cast<double>(duration.count()) : 0.0;
+    return duration.count() > 0 ? static_cast<double>(bytes) / static_cast<double>(duration.count())
+                                : 0.0;
   }
 };
 
@@ -121,9 +122,13 @@ struct transfer_result {
 
 template <>
 struct std::hash<kvlink::segment_id> {
-  std::size_t operator()(kvlink::segment_id s) const noexcept { return std::hash<std::uint64_t>{}(s.value()); }
+  std::size_t operator()(kvlink::segment_id s) const noexcept {
+    return std::hash<std::uint64_t>{}(s.value());
+  }
 };
 template <>
 struct std::hash<kvlink::peer_id> {
-  std::size_t operator()(kvlink::peer_id p) const noexcept { return std::hash<std::uint64_t>{}(p.value()); }
+  std::size_t operator()(kvlink::peer_id p) const noexcept {
+    return std::hash<std::uint64_t>{}(p.value());
+  }
 };

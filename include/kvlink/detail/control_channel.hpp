@@ -7,14 +7,14 @@
 #include <kvlink/control/message.hpp>
 #include <kvlink/tcp/lane.hpp>
 
-#include <asio/ip/tcp.hpp>
-#include <asio/read.hpp>
-#include <asio/write.hpp>
-
 #include <deque>
 #include <functional>
 #include <memory>
 #include <string>
+
+#include <asio/ip/tcp.hpp>
+#include <asio/read.hpp>
+#include <asio/write.hpp>
 
 namespace kvlink::detail {
 
@@ -56,48 +56,52 @@ class control_channel : public std::enable_shared_from_this<control_channel> {
 
  private:
   void read_prefix() {
-    asio::async_read(socket_, asio::buffer(prefix_), [self = shared_from_this()](std::error_code ec, std::size_t) {
-      if (self->closed_) return;
-      if (ec) {
-        self->close(tcp::map_socket_error(ec));
-        return;
-      }
-      std::uint32_t len = 0;
-      if (auto dec = control::decode_prefix(self->prefix_, self->max_message_, len)) {
-        self->close(dec);
-        return;
-      }
-      self->body_.resize(len);
-      asio::async_read(self->socket_, asio::buffer(self->body_), [self](std::error_code rec, std::size_t) {
-        if (self->closed_) return;
-        if (rec) {
-          self->close(tcp::map_socket_error(rec));
-          return;
-        }
-        nlohmann::json msg;
-        if (auto pec = control::parse_message(self->body_, msg)) {
-          self->close(pec);
-          return;
-        }
-        if (self->on_message_) self->on_message_(msg);
-        if (!self->closed_) self->read_prefix();
-      });
-    });
+    asio::async_read(
+        socket_, asio::buffer(prefix_),
+        [self = shared_from_this()](std::error_code ec, std::size_t) {
+          if (self->closed_) return;
+          if (ec) {
+            self->close(tcp::map_socket_error(ec));
+            return;
+          }
+          std::uint32_t len = 0;
+          if (auto dec = control::decode_prefix(self->prefix_, self->max_message_, len)) {
+            self->close(dec);
+            return;
+          }
+          self->body_.resize(len);
+          asio::async_read(self->socket_, asio::buffer(self->body_),
+                           [self](std::error_code rec, std::size_t) {
+                             if (self->closed_) return;
+                             if (rec) {
+                               self->close(tcp::map_socket_error(rec));
+                               return;
+                             }
+                             nlohmann::json msg;
+                             if (auto pec = control::parse_message(self->body_, msg)) {
+                               self->close(pec);
+                               return;
+                             }
+                             if (self->on_message_) self->on_message_(msg);
+                             if (!self->closed_) self->read_prefix();
+                           });
+        });
   }
 
   void write() {
     if (writing_ || closed_ || out_.empty()) return;
     writing_ = true;
-    asio::async_write(socket_, asio::buffer(out_.front()), [self = shared_from_this()](std::error_code ec, std::size_t) {
-      self->writing_ = false;
-      if (self->closed_) return;
-      if (ec) {
-        self->close(tcp::map_socket_error(ec));
-        return;
-      }
-      self->out_.pop_front();
-      self->write();
-    });
+    asio::async_write(socket_, asio::buffer(out_.front()),
+                      [self = shared_from_this()](std::error_code ec, std::size_t) {
+                        self->writing_ = false;
+                        if (self->closed_) return;
+                        if (ec) {
+                          self->close(tcp::map_socket_error(ec));
+                          return;
+                        }
+                        self->out_.pop_front();
+                        self->write();
+                      });
   }
 
   asio::ip::tcp::socket socket_;

@@ -11,13 +11,13 @@
 // construction).
 #pragma once
 
-#include <asio/associated_executor.hpp>
-#include <asio/executor_work_guard.hpp>
-#include <asio/post.hpp>
-
 #include <memory>
 #include <tuple>
 #include <utility>
+
+#include <asio/associated_executor.hpp>
+#include <asio/executor_work_guard.hpp>
+#include <asio/post.hpp>
 
 namespace kvlink::detail {
 
@@ -59,7 +59,8 @@ class erased_handler<void(Args...)> {
 
   template <class Handler, class IoExecutor>
   erased_handler(Handler&& h, const IoExecutor& io)
-      : impl_(std::make_unique<impl<std::decay_t<Handler>, IoExecutor>>(std::forward<Handler>(h), io)) {}
+      : impl_(std::make_unique<impl<std::decay_t<Handler>, IoExecutor>>(std::forward<Handler>(h),
+                                                                        io)) {}
 
   erased_handler(erased_handler&&) noexcept = default;
   erased_handler& operator=(erased_handler&&) noexcept = default;

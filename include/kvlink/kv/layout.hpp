@@ -21,6 +21,7 @@
 #pragma once
 
 #include <kvlink/core/error.hpp>
+#include <kvlink/detail/text.hpp>
 
 #include <array>
 #include <cstdint>
@@ -92,11 +93,6 @@ constexpr bool checked_mul(std::uint64_t a, std::uint64_t b, std::uint64_t& out)
 
 constexpr bool checked_add(std::uint64_t a, std::uint64_t b, std::uint64_t& out) noexcept {
   return !__builtin_add_overflow(a, b, &out);
-}
-
-inline std::error_code fail(std::string* why, std::string message) {
-  if (why != nullptr) *why = std::move(message);
-  return make_error_code(errc::invalid_argument);
 }
 
 }  // namespace detail
@@ -238,10 +234,6 @@ inline constexpr std::array<model_preset, 4> model_preset_table{{
     {"llama-3.1-8b", "meta-llama/Llama-3.1-8B", 32, 8, 128, dtype::bf16},
     {"llama-3.1-70b", "meta-llama/Llama-3.1-70B", 80, 8, 128, dtype::bf16},
 }};
-
-constexpr char ascii_lower(char c) noexcept {
-  return c >= 'A' && c <= 'Z' ? static_cast<char>(c - 'A' + 'a') : c;
-}
 
 }  // namespace detail
 

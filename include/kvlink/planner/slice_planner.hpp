@@ -27,14 +27,15 @@
 // distinct `out` vectors are safe.
 #pragma once
 
+#include <kvlink/core/error.hpp>
+#include <kvlink/core/types.hpp>
+
 #include <algorithm>
 #include <array>
 #include <bit>
 #include <cmath>
 #include <cstddef>
 #include <cstdint>
-#include <kvlink/core/error.hpp>
-#include <kvlink/core/types.hpp>
 #include <limits>
 #include <span>
 #include <string_view>

@@ -24,11 +24,6 @@
 #include <kvlink/detail/transfer_op.hpp>
 #include <kvlink/tcp/frame.hpp>
 
-#include <asio/buffer.hpp>
-#include <asio/ip/tcp.hpp>
-#include <asio/read.hpp>
-#include <asio/write.hpp>
-
 #include <algorithm>
 #include <array>
 #include <cstring>
@@ -37,12 +32,18 @@
 #include <memory>
 #include <vector>
 
+#include <asio/buffer.hpp>
+#include <asio/ip/tcp.hpp>
+#include <asio/read.hpp>
+#include <asio/write.hpp>
+
 namespace kvlink::tcp {
 
 /// Maps socket-level failures to what a user can act on.
 inline std::error_code map_socket_error(std::error_code ec) {
-  if (ec == asio::error::eof || ec == asio::error::connection_reset || ec == asio::error::broken_pipe ||
-      ec == asio::error::connection_aborted || ec == asio::error::not_connected) {
+  if (ec == asio::error::eof || ec == asio::error::connection_reset ||
+      ec == asio::error::broken_pipe || ec == asio::error::connection_aborted ||
+      ec == asio::error::not_connected) {
     return errc::peer_closed;
   }
   return ec;
@@ -93,8 +94,8 @@ class lane : public std::enable_shared_from_this<lane> {
     send_headers_.clear();
     send_bufs_.clear();
     std::uint64_t bytes = 0;
-    while (!queue_.empty() && inflight_.size() < window_ && send_headers_.size() < max_batch_frames &&
-           bytes < max_batch_bytes) {
+    while (!queue_.empty() && inflight_.size() < window_ &&
+           send_headers_.size() < max_batch_frames && bytes < max_batch_bytes) {
       detail::slice_ref s = queue_.front();
       queue_.pop_front();
       s.tag = next_tag_++;
@@ -114,14 +115,15 @@ class lane : public std::enable_shared_from_this<lane> {
     }
     if (send_bufs_.empty()) return;
     writing_ = true;
-    asio::async_write(socket_, send_bufs_, [self = shared_from_this()](std::error_code ec, std::size_t) {
-      self->writing_ = false;
-      if (ec) {
-        self->fail(map_socket_error(ec));
-        return;
-      }
-      self->pump();
-    });
+    asio::async_write(socket_, send_bufs_,
+                      [self = shared_from_this()](std::error_code ec, std::size_t) {
+                        self->writing_ = false;
+                        if (ec) {
+                          self->fail(map_socket_error(ec));
+                          return;
+                        }
+                        self->pump();
+                      });
   }
 
   /// Removes queued (not yet sent) slices of `op`; returns how many. They are
@@ -133,7 +135,8 @@ class lane : public std::enable_shared_from_this<lane> {
   }
 
   bool has_in_flight(const detail::transfer_op* op) const {
-    return std::any_of(inflight_.begin(), inflight_.end(), [op](const auto& s) { return s.op == op; });
+    return std::any_of(inflight_.begin(), inflight_.end(),
+                       [op](const auto& s) { return s.op == op; });
   }
 
   /// Closes the connection and resolves every queued and in-flight slice
@@ -172,7 +175,8 @@ class lane : public std::enable_shared_from_this<lane> {
     const std::size_t cap = want * frame_header_size - have_;
     const std::size_t at_least = frame_header_size - have_;
     receiving_ = true;
-    asio::async_read(socket_, asio::buffer(recv_buf_.data()->data() + have_, cap), asio::transfer_at_least(at_least),
+    asio::async_read(socket_, asio::buffer(recv_buf_.data()->data() + have_, cap),
+                     asio::transfer_at_least(at_least),
                      [self = shared_from_this()](std::error_code ec, std::size_t n) {
                        self->receiving_ = false;
                        self->on_headers(ec, n);
@@ -200,9 +204,11 @@ class lane : public std::enable_shared_from_this<lane> {
         return;
       }
       detail::slice_ref s = inflight_.front();
-      const auto expected = s.kind == opcode::write ? frame_type::write_ack : frame_type::read_response;
+      const auto expected =
+          s.kind == opcode::write ? frame_type::write_ack : frame_type::read_response;
       const auto status = status_to_error(h.status);
-      if (h.type != expected || (status && h.length != 0) || (!status && s.kind == opcode::read && h.length != s.length)) {
+      if (h.type != expected || (status && h.length != 0) ||
+          (!status && s.kind == opcode::read && h.length != s.length)) {
         fail(errc::malformed_message);
         return;
       }
@@ -267,9 +273,12 @@ class lane_server : public std::enable_shared_from_this<lane_server> {
   static constexpr std::size_t max_pending_responses = 1024;
   static constexpr std::size_t drain_chunk = 256u << 10;
 
-  lane_server(asio::ip::tcp::socket socket, const segment_registry& registry, detail::transport_host& host,
-              std::uint64_t max_frame_payload)
-      : socket_(std::move(socket)), registry_(registry), host_(host), max_payload_(max_frame_payload) {}
+  lane_server(asio::ip::tcp::socket socket, const segment_registry& registry,
+              detail::transport_host& host, std::uint64_t max_frame_payload)
+      : socket_(std::move(socket)),
+        registry_(registry),
+        host_(host),
+        max_payload_(max_frame_payload) {}
 
   void start() { read_header(); }
 
@@ -308,9 +317,9 @@ class lane_server : public std::enable_shared_from_this<lane_server> {
       paused_ = true;  // resumed by the writer
       return;
     }
-    asio::async_read(socket_, asio::buffer(in_), [self = shared_from_this()](std::error_code ec, std::size_t) {
-      self->on_header(ec);
-    });
+    asio::async_read(
+        socket_, asio::buffer(in_),
+        [self = shared_from_this()](std::error_code ec, std::size_t) { self->on_header(ec); });
   }
 
   void on_header(std::error_code ec) {
@@ -320,7 +329,8 @@ class lane_server : public std::enable_shared_from_this<lane_server> {
       return;
     }
     frame_header h;
-    if (decode(in_.data(), h) || (h.type != frame_type::write_request && h.type != frame_type::read_request) ||
+    if (decode(in_.data(), h) ||
+        (h.type != frame_type::write_request && h.type != frame_type::read_request) ||
         h.length > max_payload_ || h.status != 0) {
       close();  // cannot trust the stream any more
       return;
@@ -329,7 +339,8 @@ class lane_server : public std::enable_shared_from_this<lane_server> {
     if (h.type == frame_type::write_request) {
       std::byte* dst = nullptr;
       const auto check = h.length == 0 ? std::error_code{errc::invalid_argument}
-                                       : registry_.check_remote_access(seg, h.offset, h.length, access::remote_write, dst);
+                                       : registry_.check_remote_access(seg, h.offset, h.length,
+                                                                       access::remote_write, dst);
       if (check) {
         drain(h, check);
         return;
@@ -353,7 +364,8 @@ class lane_server : public std::enable_shared_from_this<lane_server> {
     }
     std::byte* src = nullptr;
     const auto check = h.length == 0 ? std::error_code{errc::invalid_argument}
-                                     : registry_.check_remote_access(seg, h.offset, h.length, access::remote_read, src);
+                                     : registry_.check_remote_access(seg, h.offset, h.length,
+                                                                     access::remote_read, src);
     if (check) {
       respond(frame_type::read_response, h, check, nullptr, segment_id{}, false);
     } else {
@@ -390,8 +402,8 @@ class lane_server : public std::enable_shared_from_this<lane_server> {
                      });
   }
 
-  void respond(frame_type type, const frame_header& req, std::error_code status, const std::byte* payload,
-               segment_id seg, bool pinned) {
+  void respond(frame_type type, const frame_header& req, std::error_code status,
+               const std::byte* payload, segment_id seg, bool pinned) {
     frame_header h;
     h.type = type;
     h.tag = req.tag;

@@ -1,13 +1,13 @@
 #include <kvlink/core/config.hpp>
 
-#include <doctest/doctest.h>
-
 #include <cctype>
 #include <chrono>
 #include <map>
 #include <set>
 #include <string>
 #include <system_error>
+
+#include <doctest/doctest.h>
 
 using namespace std::chrono_literals;
 using json = nlohmann::json;

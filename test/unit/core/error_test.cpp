@@ -1,8 +1,8 @@
 #include <kvlink/core/error.hpp>
 
-#include <doctest/doctest.h>
-
 #include <set>
+
+#include <doctest/doctest.h>
 
 TEST_CASE("errc converts to std::error_code with kvlink's category") {
   std::error_code ec = kvlink::errc::out_of_bounds;
@@ -20,5 +20,6 @@ TEST_CASE("every errc has its own, non-generic message") {
     CHECK(msg != "unknown kvlink error");
     CHECK(seen.insert(msg).second);
   }
-  CHECK(kvlink::make_error_code(static_cast<kvlink::errc>(999)).message() == "unknown kvlink error");
+  CHECK(kvlink::make_error_code(static_cast<kvlink::errc>(999)).message() ==
+        "unknown kvlink error");
 }

@@ -1,7 +1,5 @@
 #include <kvlink/core/segment_registry.hpp>
 
-#include <doctest/doctest.h>
-
 #include <algorithm>
 #include <array>
 #include <atomic>
@@ -10,6 +8,8 @@
 #include <set>
 #include <thread>
 #include <vector>
+
+#include <doctest/doctest.h>
 
 // The registry never dereferences what it registers, so these tests use
 // made-up addresses.

@@ -1,8 +1,8 @@
 #include <kvlink/core/types.hpp>
 
-#include <doctest/doctest.h>
-
 #include <type_traits>
+
+#include <doctest/doctest.h>
 
 TEST_CASE("segment ids are strong types") {
   static_assert(!std::is_convertible_v<std::uint64_t, kvlink::segment_id>);
@@ -12,7 +12,8 @@ TEST_CASE("segment ids are strong types") {
   CHECK(a < b);
   CHECK(a != b);
   CHECK_FALSE(kvlink::segment_id{}.valid());
-  CHECK(std::hash<kvlink::segment_id>{}(a) == std::hash<kvlink::segment_id>{}(kvlink::segment_id{3}));
+  CHECK(std::hash<kvlink::segment_id>{}(a) ==
+        std::hash<kvlink::segment_id>{}(kvlink::segment_id{3}));
 }
 
 TEST_CASE("access flags") {

@@ -4,7 +4,9 @@
 // caller's buffer changes after the handler ran), hostile clients.
 #include <kvlink/engine.hpp>
 
-#include <doctest/doctest.h>
+#include <cstring>
+#include <random>
+#include <thread>
 
 #include <asio/bind_cancellation_slot.hpp>
 #include <asio/co_spawn.hpp>
@@ -12,11 +14,8 @@
 #include <asio/experimental/awaitable_operators.hpp>
 #include <asio/io_context.hpp>
 #include <asio/use_future.hpp>
-
-#include <cstring>
+#include <doctest/doctest.h>
 #include <sys/socket.h>
-#include <random>
-#include <thread>
 
 namespace {
 
@@ -68,7 +67,9 @@ struct rig {
 
   explicit rig(std::size_t size = 1 << 20, kvlink::access acc = kvlink::access::remote_read_write,
                kvlink::config tcfg = test_config(), kvlink::config icfg = test_config())
-      : target(std::in_place, io.get_executor(), tcfg), initiator(io.get_executor(), icfg), remote_mem(size),
+      : target(std::in_place, io.get_executor(), tcfg),
+        initiator(io.get_executor(), icfg),
+        remote_mem(size),
         local_mem(size) {
     remote_seg = target->register_segment(remote_mem.data(), remote_mem.size(), acc);
     initiator.register_segment(local_mem.data(), local_mem.size());
@@ -83,7 +84,8 @@ struct rig {
     return out->second;
   }
 
-  outcome run(const std::vector<kvlink::transfer_request>& reqs, kvlink::transfer_options opts = {}) {
+  outcome run(const std::vector<kvlink::transfer_request>& reqs,
+              kvlink::transfer_options opts = {}) {
     std::optional<outcome> out;
     initiator.async_submit_transfer(reqs, opts, [&](std::error_code ec, kvlink::transfer_result r) {
       out = outcome{ec, r};
@@ -92,7 +94,8 @@ struct rig {
     return *out;
   }
 
-  kvlink::transfer_request req(opcode op, std::size_t local_off, std::uint64_t remote_off, std::uint64_t len) {
+  kvlink::transfer_request req(opcode op, std::size_t local_off, std::uint64_t remote_off,
+                               std::uint64_t len) {
     return {op, local_mem.data() + local_off, peer.segment(0), remote_off, len};
   }
 };
@@ -123,7 +126,8 @@ TEST_CASE("sizes from 1 byte to 64 MiB at random offsets, WRITE and READ") {
   constexpr std::size_t total = (64u << 20) + 8192;
   rig r{total};
   std::mt19937_64 g{42};
-  const std::uint64_t sizes[] = {1, 7, 4096, 65536, 65537, 1 << 20, (1 << 20) + 3, 16u << 20, 64u << 20};
+  const std::uint64_t sizes[] = {1,         7,        4096, 65536, 65537, 1 << 20, (1 << 20) + 3,
+                                 16u << 20, 64u << 20};
   for (const auto size : sizes) {
     for (const auto op : {opcode::write, opcode::read}) {
       CAPTURE(size);
@@ -144,7 +148,8 @@ TEST_CASE("sizes from 1 byte to 64 MiB at random offsets, WRITE and READ") {
       CHECK(out.result.bytes == size);
       CHECK(std::memcmp(dst_base + doff, expect.data(), size) == 0);
       CHECK(std::memcmp(dst_base, before.data(), doff) == 0);
-      CHECK(std::memcmp(dst_base + doff + size, before.data() + doff + size, total - doff - size) == 0);
+      CHECK(std::memcmp(dst_base + doff + size, before.data() + doff + size, total - doff - size) ==
+            0);
     }
   }
 }
@@ -178,11 +183,14 @@ TEST_CASE("batches of 1 to 10^4 requests, scattered, mixed sizes") {
       CHECK(out.result.requests == n);
       for (std::size_t i = 0; i < n; ++i) {
         const auto& q = reqs[i];
-        const auto loff = static_cast<std::size_t>(static_cast<std::byte*>(q.local) - r.local_mem.data());
+        const auto loff =
+            static_cast<std::size_t>(static_cast<std::byte*>(q.local) - r.local_mem.data());
         if (op == opcode::write) {
-          REQUIRE(std::memcmp(r.remote_mem.data() + q.remote_offset, local_before.data() + loff, q.length) == 0);
+          REQUIRE(std::memcmp(r.remote_mem.data() + q.remote_offset, local_before.data() + loff,
+                              q.length) == 0);
         } else {
-          REQUIRE(std::memcmp(r.local_mem.data() + loff, remote_before.data() + q.remote_offset, q.length) == 0);
+          REQUIRE(std::memcmp(r.local_mem.data() + loff, remote_before.data() + q.remote_offset,
+                              q.length) == 0);
         }
       }
     }
@@ -196,7 +204,8 @@ TEST_CASE("completion tokens: callback, future, use_awaitable, as_tuple") {
 
   // The handler never runs inside the initiating function.
   bool called = false;
-  r.initiator.async_submit_transfer(reqs, [&](std::error_code, kvlink::transfer_result) { called = true; });
+  r.initiator.async_submit_transfer(
+      reqs, [&](std::error_code, kvlink::transfer_result) { called = true; });
   CHECK_FALSE(called);
   REQUIRE(run_until(r.io, [&] { return called; }));
 
@@ -213,8 +222,8 @@ TEST_CASE("completion tokens: callback, future, use_awaitable, as_tuple") {
         bytes = res.bytes;
         // A failing transfer through as_tuple: no exception, the error code.
         std::vector<kvlink::transfer_request> bad{r.req(opcode::write, 0, r.remote_mem.size(), 1)};
-        auto [ec, res2] =
-            co_await r.initiator.async_submit_transfer(bad, asio::experimental::as_tuple(asio::use_awaitable));
+        auto [ec, res2] = co_await r.initiator.async_submit_transfer(
+            bad, asio::experimental::as_tuple(asio::use_awaitable));
         (void)res2;
         tuple_ec = ec;
       },
@@ -229,7 +238,8 @@ TEST_CASE("completion tokens: callback, future, use_awaitable, as_tuple") {
       r.io,
       [&]() -> asio::awaitable<void> {
         try {
-          std::vector<kvlink::transfer_request> bad{r.req(opcode::write, 0, 0, r.remote_mem.size() + 1)};
+          std::vector<kvlink::transfer_request> bad{
+              r.req(opcode::write, 0, 0, r.remote_mem.size() + 1)};
           co_await r.initiator.async_submit_transfer(bad, asio::use_awaitable);
         } catch (const std::system_error& e) {
           thrown = e.code();
@@ -271,29 +281,34 @@ TEST_CASE("request errors are reported and move nothing") {
     CHECK(out.ec == kvlink::errc::invalid_argument);
   }
   SUBCASE("unknown peer") {
-    auto out = r.run({{opcode::read, r.local_mem.data(), kvlink::remote_segment{kvlink::peer_id{999}, r.remote_seg}, 0, 1}});
+    auto out = r.run({{opcode::read, r.local_mem.data(),
+                       kvlink::remote_segment{kvlink::peer_id{999}, r.remote_seg}, 0, 1}});
     CHECK(out.ec == kvlink::errc::unknown_peer);
   }
   SUBCASE("a segment id the target never registered: the target refuses it") {
-    auto out = r.run({{opcode::read, r.local_mem.data(), r.peer.segment(kvlink::segment_id{77}), 0, 16}});
+    auto out =
+        r.run({{opcode::read, r.local_mem.data(), r.peer.segment(kvlink::segment_id{77}), 0, 16}});
     CHECK(out.ec == kvlink::errc::not_registered);
     // ... and the connection survives it.
     auto ok = r.run({r.req(opcode::read, 0, 0, 4096)});
     CHECK_FALSE(ok.ec);
   }
   SUBCASE("one bad request fails the whole batch before anything moves") {
-    auto out = r.run({r.req(opcode::read, 0, 0, 4096), r.req(opcode::read, 0, r.remote_mem.size(), 1)});
+    auto out =
+        r.run({r.req(opcode::read, 0, 0, 4096), r.req(opcode::read, 0, r.remote_mem.size(), 1)});
     CHECK(out.ec == kvlink::errc::out_of_bounds);
     CHECK(out.result.bytes == 0);
   }
   CHECK(r.remote_mem == remote_before);
 }
 
-TEST_CASE("segments registered after the handshake reach the peer; unregistration waits and refuses") {
+TEST_CASE(
+    "segments registered after the handshake reach the peer; unregistration waits and refuses") {
   rig r;
   std::vector<std::byte> extra(8192);
   fill(extra, 9);
-  const auto id = r.target->register_segment(extra.data(), extra.size(), kvlink::access::remote_read);
+  const auto id =
+      r.target->register_segment(extra.data(), extra.size(), kvlink::access::remote_read);
   REQUIRE(run_until(r.io, [&] { return r.peer.segments().size() == 2; }));
   CHECK(r.peer.segments()[1].id == id);
   auto out = r.run({{opcode::read, r.local_mem.data(), r.peer.segment(id), 0, extra.size()}});
@@ -324,7 +339,8 @@ TEST_CASE("connect errors: unreachable, bad address") {
     port = a.local_endpoint().port();
   }
   std::optional<std::error_code> e1, e2;
-  eng.async_connect(fmt::format("127.0.0.1:{}", port), [&](std::error_code ec, kvlink::peer) { e1 = ec; });
+  eng.async_connect(fmt::format("127.0.0.1:{}", port),
+                    [&](std::error_code ec, kvlink::peer) { e1 = ec; });
   eng.async_connect("no-port-here", [&](std::error_code ec, kvlink::peer) { e2 = ec; });
   REQUIRE(run_until(io, [&] { return e1 && e2; }));
   CHECK(*e1 == kvlink::errc::peer_unreachable);
@@ -374,7 +390,8 @@ TEST_CASE("a restarted peer is a new instance") {
   CHECK(second.instance() != first.instance());
   CHECK(second.segments().empty());  // nothing of the old instance is kept
   auto out = std::optional<std::error_code>{};
-  std::vector<kvlink::transfer_request> reqs{{opcode::read, mem.data(), first.segment(kvlink::segment_id{1}), 0, 16}};
+  std::vector<kvlink::transfer_request> reqs{
+      {opcode::read, mem.data(), first.segment(kvlink::segment_id{1}), 0, 16}};
   ini.async_submit_transfer(reqs, [&](std::error_code ec, kvlink::transfer_result) { out = ec; });
   REQUIRE(run_until(io, [&] { return out.has_value(); }));
   CHECK(*out != std::error_code{});
@@ -385,7 +402,9 @@ TEST_CASE("peer closing mid-transfer fails it with peer_closed, and later transf
   fill(r.local_mem, 11);
   std::optional<outcome> out;
   r.initiator.async_submit_transfer(std::vector{r.req(opcode::write, 0, 0, r.local_mem.size())},
-                                    [&](std::error_code ec, kvlink::transfer_result res) { out = outcome{ec, res}; });
+                                    [&](std::error_code ec, kvlink::transfer_result res) {
+                                      out = outcome{ec, res};
+                                    });
   // Let some bytes flow, then the target goes away.
   for (int i = 0; i < 20 && !out; ++i) r.io.run_one_for(10ms);
   r.target.reset();
@@ -396,8 +415,9 @@ TEST_CASE("peer closing mid-transfer fails it with peer_closed, and later transf
   }
   REQUIRE(run_until(r.io, [&] { return !r.peer.connected(); }));
   std::optional<std::error_code> later;
-  r.initiator.async_submit_transfer(std::vector{r.req(opcode::write, 0, 0, 16)},
-                                    [&](std::error_code ec, kvlink::transfer_result) { later = ec; });
+  r.initiator.async_submit_transfer(
+      std::vector{r.req(opcode::write, 0, 0, 16)},
+      [&](std::error_code ec, kvlink::transfer_result) { later = ec; });
   REQUIRE(run_until(r.io, [&] { return later.has_value(); }));
   CHECK(*later == kvlink::errc::peer_closed);
 }
@@ -430,7 +450,8 @@ struct silent_peer {
         d.protocol = protocol;
         d.instance = kvlink::instance_id{1, 2};
         d.tcp_address = "127.0.0.1:1";
-        d.segments.push_back({kvlink::segment_id{1}, 0, 1u << 30, kvlink::access::remote_read_write, {}});
+        d.segments.push_back(
+            {kvlink::segment_id{1}, 0, 1u << 30, kvlink::access::remote_read_write, {}});
         auto welcome = kvlink::control::make_welcome(d);
         welcome["protocol"] = protocol;
         asio::write(s, asio::buffer(kvlink::control::encode_message(welcome)), ec);
@@ -438,7 +459,9 @@ struct silent_peer {
       }
     });
   }
-  std::string address() const { return fmt::format("127.0.0.1:{}", acceptor.local_endpoint().port()); }
+  std::string address() const {
+    return fmt::format("127.0.0.1:{}", acceptor.local_endpoint().port());
+  }
   ~silent_peer() {
     // Wakes the thread if it still waits in accept() (close() alone does not).
     ::shutdown(acceptor.native_handle(), SHUT_RDWR);
@@ -467,9 +490,10 @@ TEST_CASE("a hello of another protocol version gets a protocol_version_mismatch 
     asio::io_context cio;
     asio::ip::tcp::socket s{cio};
     s.connect({asio::ip::make_address("127.0.0.1"),
-               static_cast<std::uint16_t>(std::stoi(eng.local_address().substr(eng.local_address().rfind(':') + 1)))});
-    auto hello = kvlink::control::make_hello(kvlink::protocol_version + 7, kvlink::instance_id{5, 5},
-                                             kvlink::control::role::control);
+               static_cast<std::uint16_t>(
+                   std::stoi(eng.local_address().substr(eng.local_address().rfind(':') + 1)))});
+    auto hello = kvlink::control::make_hello(
+        kvlink::protocol_version + 7, kvlink::instance_id{5, 5}, kvlink::control::role::control);
     asio::write(s, asio::buffer(kvlink::control::encode_message(hello)));
     kvlink::control::prefix_bytes prefix{};
     asio::read(s, asio::buffer(prefix));
@@ -486,7 +510,9 @@ TEST_CASE("a hello of another protocol version gets a protocol_version_mismatch 
   CHECK((*reply)["message"].get<std::string>().find("protocol") != std::string::npos);
 }
 
-TEST_CASE("deadline: a silent peer fails the transfer in bounded time; the buffer is left alone afterwards") {
+TEST_CASE(
+    "deadline: a silent peer fails the transfer in bounded time; the buffer is left alone "
+    "afterwards") {
   silent_peer fake;
   asio::io_context io;
   kvlink::tcp_engine eng{io.get_executor(), test_config()};
@@ -505,8 +531,11 @@ TEST_CASE("deadline: a silent peer fails the transfer in bounded time; the buffe
     std::optional<outcome> out;
     std::vector<kvlink::transfer_request> reqs{{op, mem.data(), p.segment(0), 0, mem.size()}};
     eng.async_submit_transfer(reqs, kvlink::transfer_options{.deadline = 100ms},
-                              [&](std::error_code ec, kvlink::transfer_result r) { out = outcome{ec, r}; });
-    REQUIRE(run_until(io, [&] { return out.has_value(); }, 20s));
+                              [&](std::error_code ec, kvlink::transfer_result r) {
+                                out = outcome{ec, r};
+                              });
+    REQUIRE(run_until(
+        io, [&] { return out.has_value(); }, 20s));
     if (op == opcode::write) {
       CHECK(out->ec == kvlink::errc::deadline_exceeded);
     } else {
@@ -527,11 +556,13 @@ TEST_CASE("cancellation: the handler gets errc::cancelled and no byte changes af
     std::optional<outcome> out;
     std::vector<kvlink::transfer_request> reqs;
     // Many requests: some are in flight when the cancel lands, some are not sent yet.
-    for (std::size_t off = 0; off < r.local_mem.size(); off += 1 << 20) reqs.push_back(r.req(op, off, off, 1 << 20));
+    for (std::size_t off = 0; off < r.local_mem.size(); off += 1 << 20)
+      reqs.push_back(r.req(op, off, off, 1 << 20));
     r.initiator.async_submit_transfer(
-        reqs, asio::bind_cancellation_slot(sig.slot(), [&](std::error_code ec, kvlink::transfer_result res) {
-          out = outcome{ec, res};
-        }));
+        reqs, asio::bind_cancellation_slot(sig.slot(),
+                                           [&](std::error_code ec, kvlink::transfer_result res) {
+                                             out = outcome{ec, res};
+                                           }));
     r.io.run_one_for(1ms);
     sig.emit(asio::cancellation_type::terminal);
     REQUIRE(run_until(r.io, [&] { return out.has_value(); }));
@@ -554,13 +585,15 @@ TEST_CASE("cancellation through awaitable operators (a timer racing the transfer
   using namespace asio::experimental::awaitable_operators;
   rig r{64u << 20};
   std::vector<kvlink::transfer_request> reqs;
-  for (std::size_t off = 0; off < r.local_mem.size(); off += 1 << 20) reqs.push_back(r.req(opcode::write, off, off, 1 << 20));
+  for (std::size_t off = 0; off < r.local_mem.size(); off += 1 << 20)
+    reqs.push_back(r.req(opcode::write, off, off, 1 << 20));
   std::optional<std::size_t> winner;
   asio::co_spawn(
       r.io,
       [&]() -> asio::awaitable<void> {
         asio::steady_timer t{r.io, 1ms};
-        auto v = co_await (r.initiator.async_submit_transfer(reqs, asio::use_awaitable) || t.async_wait(asio::use_awaitable));
+        auto v = co_await (r.initiator.async_submit_transfer(reqs, asio::use_awaitable) ||
+                           t.async_wait(asio::use_awaitable));
         winner = v.index();
       },
       asio::detached);
@@ -574,7 +607,8 @@ TEST_CASE("cancellation through awaitable operators (a timer racing the transfer
 namespace {
 
 // Opens a raw lane connection to an engine (hello as a lane) and returns the socket.
-asio::ip::tcp::socket raw_lane(asio::io_context& cio, const std::string& addr, const kvlink::instance_id& expect) {
+asio::ip::tcp::socket raw_lane(asio::io_context& cio, const std::string& addr,
+                               const kvlink::instance_id& expect) {
   asio::ip::tcp::socket s{cio};
   const auto port = static_cast<std::uint16_t>(std::stoi(addr.substr(addr.rfind(':') + 1)));
   s.connect({asio::ip::make_address("127.0.0.1"), port});
@@ -610,7 +644,8 @@ TEST_CASE("hostile clients: garbage, truncated frames, huge lengths, out-of-boun
   std::vector<std::string> notes;
   std::thread attacker([&] {
     asio::io_context cio;
-    auto frame = [](kvlink::tcp::frame_type t, std::uint64_t segid, std::uint64_t off, std::uint64_t len) {
+    auto frame = [](kvlink::tcp::frame_type t, std::uint64_t segid, std::uint64_t off,
+                    std::uint64_t len) {
       kvlink::tcp::frame_header h;
       h.type = t;
       h.tag = 1;
@@ -657,7 +692,8 @@ TEST_CASE("hostile clients: garbage, truncated frames, huge lengths, out-of-boun
       std::vector<std::byte> payload(64, std::byte{0xEE});
       asio::write(s, std::array{asio::buffer(h), asio::buffer(payload)});
       expect_status(s, kvlink::errc::out_of_bounds);
-      auto h2 = frame(kvlink::tcp::frame_type::read_request, seg.value(), ~0ull - 2, 16);  // offset overflow
+      auto h2 = frame(kvlink::tcp::frame_type::read_request, seg.value(), ~0ull - 2,
+                      16);  // offset overflow
       asio::write(s, asio::buffer(h2));
       expect_status(s, kvlink::errc::out_of_bounds);
       auto h3 = frame(kvlink::tcp::frame_type::write_request, 12345, 0, 16);  // unknown segment
@@ -709,8 +745,9 @@ TEST_CASE("hostile clients: garbage, truncated frames, huge lengths, out-of-boun
       asio::ip::tcp::socket s{cio};
       const auto port = static_cast<std::uint16_t>(std::stoi(addr.substr(addr.rfind(':') + 1)));
       s.connect({asio::ip::make_address("127.0.0.1"), port});
-      auto hello = kvlink::control::make_hello(kvlink::protocol_version, kvlink::instance_id{9, 9},
-                                               kvlink::control::role::lane, 0, kvlink::instance_id{1, 1});
+      auto hello =
+          kvlink::control::make_hello(kvlink::protocol_version, kvlink::instance_id{9, 9},
+                                      kvlink::control::role::lane, 0, kvlink::instance_id{1, 1});
       asio::write(s, asio::buffer(kvlink::control::encode_message(hello)));
       kvlink::control::prefix_bytes prefix{};
       asio::read(s, asio::buffer(prefix));
@@ -718,7 +755,8 @@ TEST_CASE("hostile clients: garbage, truncated frames, huge lengths, out-of-boun
       REQUIRE_FALSE(kvlink::control::decode_prefix(prefix, 1 << 20, len));
       std::string body(len, '\0');
       asio::read(s, asio::buffer(body));
-      CHECK(kvlink::control::error_from_message(nlohmann::json::parse(body)) == kvlink::errc::instance_changed);
+      CHECK(kvlink::control::error_from_message(nlohmann::json::parse(body)) ==
+            kvlink::errc::instance_changed);
     }
     {  // an oversized control message
       asio::ip::tcp::socket s{cio};
@@ -733,7 +771,8 @@ TEST_CASE("hostile clients: garbage, truncated frames, huge lengths, out-of-boun
       if (!ec && !kvlink::control::decode_prefix(rp, 1 << 20, len)) {
         std::string body(len, '\0');
         asio::read(s, asio::buffer(body), ec);
-        CHECK(kvlink::control::error_from_message(nlohmann::json::parse(body)) == kvlink::errc::message_too_large);
+        CHECK(kvlink::control::error_from_message(nlohmann::json::parse(body)) ==
+              kvlink::errc::message_too_large);
       }
     }
     finished = 1;
@@ -761,8 +800,9 @@ TEST_CASE("hostile clients: garbage, truncated frames, huge lengths, out-of-boun
   });
   REQUIRE(run_until(io, [&] { return ok; }));
   std::optional<std::error_code> w;
-  ini.async_submit_transfer(std::vector<kvlink::transfer_request>{{opcode::write, mem.data(), p.segment(0), 0, seg_len}},
-                            [&](std::error_code ec, kvlink::transfer_result) { w = ec; });
+  ini.async_submit_transfer(
+      std::vector<kvlink::transfer_request>{{opcode::write, mem.data(), p.segment(0), 0, seg_len}},
+      [&](std::error_code ec, kvlink::transfer_result) { w = ec; });
   REQUIRE(run_until(io, [&] { return w.has_value(); }));
   CHECK_FALSE(*w);
   CHECK(std::memcmp(arena.data() + canary, mem.data(), seg_len) == 0);

@@ -1,12 +1,13 @@
-#include <doctest/doctest.h>
+#include <kvlink/planner/slice_planner.hpp>
 
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
-#include <kvlink/planner/slice_planner.hpp>
 #include <limits>
 #include <random>
 #include <vector>
+
+#include <doctest/doctest.h>
 
 namespace {
 
