@@ -54,6 +54,7 @@
 
 #include <atomic>
 #include <chrono>
+#include <deque>
 #include <map>
 #include <memory>
 #include <optional>
@@ -82,11 +83,28 @@
 
 namespace kvlink {
 
+/// A small message between engines: a request id and payload bytes, at most
+/// config.max_notification bytes together. `from` and `from_address` are
+/// filled in on receipt (the sender's instance and listen address).
+struct notification {
+  std::string id;
+  std::string payload;
+  instance_id from{};
+  std::string from_address{};
+};
+
 /// Per-call options of async_submit_transfer.
 struct transfer_options {
   /// Deadline of this transfer, counted from submission. nullopt: the
   /// engine's config.transfer_deadline; zero: no deadline.
-  std::optional<std::chrono::milliseconds> deadline;
+  std::optional<std::chrono::milliseconds> deadline{};
+  /// Sent to the peer(s) of the transfer once it has completed successfully,
+  /// so the peer receives it only after the data is visible in its memory
+  /// (a WRITE's bytes are placed and acknowledged before it is sent). The
+  /// transfer's handler runs once the notification is handed to the kernel;
+  /// if it cannot be sent the transfer completes with that error (the data
+  /// did arrive). Not sent when the transfer fails.
+  std::optional<notification> notify{};
 };
 
 namespace detail {
@@ -119,10 +137,15 @@ struct transfer_op {
   std::chrono::steady_clock::time_point start;
   std::optional<asio::steady_timer> deadline;
   std::optional<asio::steady_timer> fence;
-  std::vector<std::shared_ptr<tcp::lane>> lanes;  // lanes that carry its slices
+  std::vector<std::shared_ptr<tcp::lane>> lanes;   // lanes that carry its slices
+  std::vector<std::shared_ptr<peer_state>> peers;  // peers it moves data with
+  std::optional<notification> notify{};
 };
 
 }  // namespace detail
+
+template <class Transport, class Executor = asio::any_io_executor>
+class basic_engine;
 
 /// A connected peer, as the local engine sees it: a cheap, copyable handle.
 class peer {
@@ -165,6 +188,8 @@ class peer {
  private:
   template <class>
   friend class detail::engine_core;
+  template <class, class>
+  friend class basic_engine;
   explicit peer(std::shared_ptr<detail::peer_state> s) : state_(std::move(s)) {}
   const detail::peer_state& checked() const {
     if (!state_) throw std::logic_error("kvlink: empty peer handle");
@@ -277,6 +302,7 @@ class engine_core final : public transport_host,
   using transfer_handler = erased_handler<void(std::error_code, transfer_result)>;
   using connect_handler = erased_handler<void(std::error_code, peer)>;
   using plain_handler = erased_handler<void(std::error_code)>;
+  using notification_handler = erased_handler<void(std::error_code, notification)>;
 
   engine_core(asio::any_io_executor ex, config cfg)
       : strand_(asio::make_strand(ex)),
@@ -381,6 +407,58 @@ class engine_core final : public transport_host,
     servers_.clear();
     for (auto& s : sessions_) s->close(errc::cancelled);
     sessions_.clear();
+    auto waiters = std::move(notify_waiters_);
+    notify_waiters_.clear();
+    for (auto& w : waiters) w.handler.complete(errc::cancelled, notification{});
+  }
+
+  // ------------------------------------------------------------ notifications
+
+  void send_notification(std::shared_ptr<peer_state> p, notification n, plain_handler h) {
+    asio::post(strand_, [self = this->shared_from_this(), p = std::move(p), n = std::move(n),
+                         h = std::move(h)]() mutable {
+      if (n.id.size() + n.payload.size() > self->cfg_.max_notification) {
+        h.complete(errc::message_too_large);
+        return;
+      }
+      if (!p->alive.load() || !p->control) {
+        h.complete(p->failure ? p->failure : errc::peer_closed);
+        return;
+      }
+      auto shared = std::make_shared<plain_handler>(std::move(h));
+      p->control->send(control::make_notify(n.id, n.payload),
+                       [shared](std::error_code ec) { shared->complete(ec); });
+    });
+  }
+
+  void receive_notification(std::uint64_t id, notification_handler h,
+                            asio::cancellation_slot slot) {
+    asio::post(strand_, [self = this->shared_from_this(), id, h = std::move(h), slot]() mutable {
+      if (!self->received_.empty()) {
+        auto n = std::move(self->received_.front());
+        self->received_.pop_front();
+        if (slot.is_connected()) slot.clear();
+        h.complete({}, std::move(n));
+        return;
+      }
+      if (self->shut_) {
+        h.complete(errc::cancelled, notification{});
+        return;
+      }
+      self->notify_waiters_.push_back(notify_waiter{id, std::move(h), slot});
+    });
+  }
+
+  void cancel_receive(std::uint64_t id) {
+    asio::post(strand_, [self = this->shared_from_this(), id] {
+      auto it = std::find_if(self->notify_waiters_.begin(), self->notify_waiters_.end(),
+                             [id](const auto& w) { return w.id == id; });
+      if (it == self->notify_waiters_.end()) return;
+      auto w = std::move(*it);
+      self->notify_waiters_.erase(it);
+      if (w.slot.is_connected()) w.slot.clear();
+      w.handler.complete(errc::cancelled, notification{});
+    });
   }
 
   // ------------------------------------------------------------ transport_host
@@ -426,7 +504,13 @@ class engine_core final : public transport_host,
     op->slot = slot;
     op->start = std::chrono::steady_clock::now();
     op->result.requests = static_cast<std::uint32_t>(reqs.size());
+    op->notify = std::move(opts.notify);
     ops_.emplace(id, std::move(owned));
+    if (op->notify && op->notify->id.size() + op->notify->payload.size() > cfg_.max_notification) {
+      op->error = errc::message_too_large;
+      complete(op);
+      return;
+    }
 
     // Validate everything before anything moves: a bad request fails the
     // whole batch with nothing transferred.
@@ -458,6 +542,7 @@ class engine_core final : public transport_host,
         return;
       }
       op->result.slices += stats.slices;
+      op->peers.push_back(g.p);
       std::vector<bool> used(g.p->lanes.size(), false);
       for (const auto& s : slices) {
         auto& l = g.p->lanes[s.lane];
@@ -567,8 +652,44 @@ class engine_core final : public transport_host,
     auto h = std::move(owned->handler);
     const auto ec = owned->error;
     const auto result = owned->result;
+    auto notify = std::move(owned->notify);
+    auto peers = std::move(owned->peers);
     owned.reset();  // state freed before the upcall
-    h.complete(ec, result);
+    if (ec || !notify || peers.empty()) {
+      h.complete(ec, result);
+      return;
+    }
+    // The data is in place: now the notification, then the handler.
+    struct fan_in {
+      transfer_handler handler;
+      transfer_result result;
+      std::size_t remaining;
+      std::error_code first;
+    };
+    auto state = std::make_shared<fan_in>(fan_in{std::move(h), result, peers.size(), {}});
+    const auto msg = control::make_notify(notify->id, notify->payload);
+    for (auto& p : peers) {
+      auto done = [state](std::error_code sec) {
+        if (sec && !state->first) state->first = sec;
+        if (--state->remaining == 0) state->handler.complete(state->first, state->result);
+      };
+      if (!p->alive.load() || !p->control) {
+        done(p->failure ? p->failure : errc::peer_closed);
+      } else {
+        p->control->send(msg, done);
+      }
+    }
+  }
+
+  void deliver(notification n) {
+    if (!notify_waiters_.empty()) {
+      auto w = std::move(notify_waiters_.front());
+      notify_waiters_.pop_front();
+      if (w.slot.is_connected()) w.slot.clear();
+      w.handler.complete({}, std::move(n));
+      return;
+    }
+    received_.push_back(std::move(n));
   }
 
   // ------------------------------------------------------------ peers
@@ -658,7 +779,9 @@ class engine_core final : public transport_host,
     nlohmann::json welcome;
     if (auto ec = co_await open_connection(
             control_socket, eps,
-            control::make_hello(protocol_version, self_, control::role::control), welcome)) {
+            control::make_hello(protocol_version, self_, control::role::control, 0, std::nullopt,
+                                local_address_),
+            welcome)) {
       co_return ec;
     }
     control::peer_descriptor desc;
@@ -795,7 +918,27 @@ class engine_core final : public transport_host,
     auto session = std::make_shared<control_channel>(std::move(s), self->cfg_.max_control_message);
     std::erase_if(self->sessions_, [](const auto& x) { return x->closed(); });
     self->sessions_.push_back(session);
-    session->start([](const nlohmann::json&) {}, [](std::error_code) {});
+    std::weak_ptr<engine_core> weak = self;
+    std::weak_ptr<control_channel> wsession = session;
+    session->start(
+        [weak, wsession, from = hello.instance, addr = hello.address](const nlohmann::json& m) {
+          auto core = weak.lock();
+          if (!core || m.value("type", std::string{}) != "notify") return;  // others: ignored
+          notification n;
+          if (control::parse_notify(m, core->cfg_.max_notification, n.id, n.payload)) {
+            if (auto ch = wsession.lock()) ch->close(errc::malformed_message);
+            return;
+          }
+          if (core->received_.size() >= max_queued_notifications) {
+            // Nobody reads them: refuse to buffer without bound.
+            if (auto ch = wsession.lock()) ch->close(errc::queue_full);
+            return;
+          }
+          n.from = from;
+          n.from_address = addr;
+          core->deliver(std::move(n));
+        },
+        [](std::error_code) {});
   }
 
   strand_type strand_;
@@ -814,6 +957,14 @@ class engine_core final : public transport_host,
   std::vector<std::shared_ptr<control_channel>> sessions_;
   std::unordered_map<segment_id, std::size_t> pins_;
   std::multimap<segment_id, plain_handler> unpin_waiters_;
+  struct notify_waiter {
+    std::uint64_t id;
+    notification_handler handler;
+    asio::cancellation_slot slot;
+  };
+  static constexpr std::size_t max_queued_notifications = 1u << 16;
+  std::deque<notification> received_;
+  std::deque<notify_waiter> notify_waiters_;
   bool shut_ = false;
 };
 
@@ -821,7 +972,7 @@ class engine_core final : public transport_host,
 
 /// The engine. `Transport` picks the data path (tcp_transport); `Executor`
 /// is the caller's executor, on which completion handlers run by default.
-template <class Transport, class Executor = asio::any_io_executor>
+template <class Transport, class Executor>
 class basic_engine {
   static_assert(transport<Transport>);
 
@@ -930,6 +1081,50 @@ class basic_engine {
                         slot);
         },
         token, std::vector<transfer_request>(requests.begin(), requests.end()), options);
+  }
+
+  /// Sends a standalone notification to `to` over its control channel.
+  /// Signature: void(std::error_code); completes once the message is handed
+  /// to the kernel. Errors: message_too_large (id + payload above
+  /// config.max_notification), peer_closed, unknown_peer (empty handle).
+  template <class Token = asio::default_completion_token_t<executor_type>>
+  auto async_send_notification(const peer& to, notification n,
+                               Token&& token = asio::default_completion_token_t<executor_type>{}) {
+    return asio::async_initiate<Token, void(std::error_code)>(
+        [this](auto handler, std::shared_ptr<detail::peer_state> p, notification msg) {
+          detail::erased_handler<void(std::error_code)> h(std::move(handler), ex_);
+          if (!p) {
+            asio::post(core_->strand(),
+                       [h = std::move(h)]() mutable { h.complete(errc::unknown_peer); });
+            return;
+          }
+          core_->send_notification(std::move(p), std::move(msg), std::move(h));
+        },
+        token, to.state_, std::move(n));
+  }
+
+  /// Waits for the next notification from any peer (in arrival order; those
+  /// that arrive while nobody waits are queued). Signature:
+  /// void(std::error_code, notification). Cancellable (errc::cancelled);
+  /// completes with errc::cancelled when the engine shuts down.
+  template <class Token = asio::default_completion_token_t<executor_type>>
+  auto async_receive_notification(
+      Token&& token = asio::default_completion_token_t<executor_type>{}) {
+    return asio::async_initiate<Token, void(std::error_code, notification)>(
+        [this](auto handler) {
+          auto slot = asio::get_associated_cancellation_slot(handler);
+          const auto id = core_->next_op_id();
+          if (slot.is_connected()) {
+            slot.assign([w = std::weak_ptr(core_), id](asio::cancellation_type) {
+              if (auto c = w.lock()) c->cancel_receive(id);
+            });
+          }
+          core_->receive_notification(
+              id,
+              detail::erased_handler<void(std::error_code, notification)>(std::move(handler), ex_),
+              slot);
+        },
+        token);
   }
 
   template <class Token = asio::default_completion_token_t<executor_type>>

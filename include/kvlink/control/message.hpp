@@ -217,7 +217,8 @@ enum class role { control, lane };
 /// First message on every connection, from the connecting side.
 inline nlohmann::json make_hello(unsigned protocol, const instance_id& self, role r,
                                  std::uint32_t lane = 0,
-                                 std::optional<instance_id> expect = std::nullopt) {
+                                 std::optional<instance_id> expect = std::nullopt,
+                                 std::string_view address = {}) {
   nlohmann::json j{{"type", "hello"},
                    {"protocol", protocol},
                    {"instance", to_string(self)},
@@ -226,6 +227,8 @@ inline nlohmann::json make_hello(unsigned protocol, const instance_id& self, rol
   // A lane names the instance it expects: if the peer restarted between the
   // control handshake and this connection, the lane is refused.
   if (expect) j["expect"] = to_string(*expect);
+  // Where the sender itself listens, so the receiver can connect back.
+  if (!address.empty()) j["address"] = std::string(address);
   return j;
 }
 
@@ -235,6 +238,7 @@ struct hello {
   role r = role::control;
   std::uint32_t lane = 0;
   std::optional<instance_id> expect;
+  std::string address;  ///< the sender's own listen address, if it told
 };
 
 /// Parses a hello. The protocol field is read first, so a peer of another
@@ -260,6 +264,11 @@ inline std::error_code parse_hello(const nlohmann::json& j, hello& h) {
     const auto ex = parse_instance_id(e->get<std::string>());
     if (!ex) return errc::malformed_message;
     h.expect = *ex;
+  }
+  if (const auto a = j.find("address"); a != j.end()) {
+    if (!a->is_string() || a->get_ref<const std::string&>().size() > 256)
+      return errc::malformed_message;
+    h.address = a->get<std::string>();
   }
   return {};
 }
@@ -289,6 +298,54 @@ inline std::error_code error_from_message(const nlohmann::json& j) {
   const auto v = it->get<std::int64_t>();
   if (v < 1 || v > static_cast<int>(errc::instance_changed)) return errc::malformed_message;
   return static_cast<errc>(v);
+}
+
+// ---------------------------------------------------------------- notifications
+
+/// Payload bytes travel hex-encoded (JSON strings must be UTF-8).
+inline std::string to_hex(std::string_view bytes) {
+  static constexpr char digits[] = "0123456789abcdef";
+  std::string out(bytes.size() * 2, '0');
+  for (std::size_t i = 0; i < bytes.size(); ++i) {
+    const auto b = static_cast<unsigned char>(bytes[i]);
+    out[2 * i] = digits[b >> 4];
+    out[2 * i + 1] = digits[b & 15];
+  }
+  return out;
+}
+
+inline std::optional<std::string> from_hex(std::string_view hex) {
+  if (hex.size() % 2 != 0) return std::nullopt;
+  auto nibble = [](char c) -> int {
+    if (c >= '0' && c <= '9') return c - '0';
+    if (c >= 'a' && c <= 'f') return c - 'a' + 10;
+    if (c >= 'A' && c <= 'F') return c - 'A' + 10;
+    return -1;
+  };
+  std::string out(hex.size() / 2, '\0');
+  for (std::size_t i = 0; i < out.size(); ++i) {
+    const int hi = nibble(hex[2 * i]);
+    const int lo = nibble(hex[2 * i + 1]);
+    if (hi < 0 || lo < 0) return std::nullopt;
+    out[i] = static_cast<char>((hi << 4) | lo);
+  }
+  return out;
+}
+
+inline nlohmann::json make_notify(std::string_view id, std::string_view payload) {
+  return {{"type", "notify"}, {"id", std::string(id)}, {"payload", to_hex(payload)}};
+}
+
+/// Parses a "notify" message; id + payload must fit in `max_bytes`.
+inline std::error_code parse_notify(const nlohmann::json& j, std::uint64_t max_bytes,
+                                    std::string& id, std::string& payload) {
+  std::string hex;
+  if (!get_field(j, "id", id) || !get_field(j, "payload", hex)) return errc::malformed_message;
+  auto bytes = from_hex(hex);
+  if (!bytes) return errc::malformed_message;
+  if (id.size() + bytes->size() > max_bytes) return errc::message_too_large;
+  payload = std::move(*bytes);
+  return {};
 }
 
 }  // namespace kvlink::control

@@ -35,9 +35,14 @@ class control_channel : public std::enable_shared_from_this<control_channel> {
     read_prefix();
   }
 
-  void send(const nlohmann::json& message) {
-    if (closed_) return;
-    out_.push_back(control::encode_message(message));
+  /// Queues a message. `done`, if given, runs once: with no error when the
+  /// message has been handed to the kernel, or with the channel's error.
+  void send(const nlohmann::json& message, std::function<void(std::error_code)> done = nullptr) {
+    if (closed_) {
+      if (done) done(errc::peer_closed);
+      return;
+    }
+    out_.push_back(outgoing{control::encode_message(message), std::move(done)});
     write();
   }
 
@@ -47,8 +52,12 @@ class control_channel : public std::enable_shared_from_this<control_channel> {
     std::error_code ignored;
     socket_.shutdown(asio::socket_base::shutdown_both, ignored);
     socket_.close(ignored);
+    auto pending = std::move(out_);
     out_.clear();
     on_message_ = nullptr;
+    for (auto& o : pending) {
+      if (o.done) o.done(why);
+    }
     if (auto cb = std::move(on_closed_)) cb(why);
   }
 
@@ -91,7 +100,7 @@ class control_channel : public std::enable_shared_from_this<control_channel> {
   void write() {
     if (writing_ || closed_ || out_.empty()) return;
     writing_ = true;
-    asio::async_write(socket_, asio::buffer(out_.front()),
+    asio::async_write(socket_, asio::buffer(out_.front().bytes),
                       [self = shared_from_this()](std::error_code ec, std::size_t) {
                         self->writing_ = false;
                         if (self->closed_) return;
@@ -99,7 +108,9 @@ class control_channel : public std::enable_shared_from_this<control_channel> {
                           self->close(tcp::map_socket_error(ec));
                           return;
                         }
+                        auto done = std::move(self->out_.front().done);
                         self->out_.pop_front();
+                        if (done) done({});
                         self->write();
                       });
   }
@@ -108,7 +119,11 @@ class control_channel : public std::enable_shared_from_this<control_channel> {
   std::uint64_t max_message_;
   control::prefix_bytes prefix_{};
   std::string body_;
-  std::deque<std::string> out_;
+  struct outgoing {
+    std::string bytes;
+    std::function<void(std::error_code)> done;
+  };
+  std::deque<outgoing> out_;
   message_fn on_message_;
   closed_fn on_closed_;
   bool writing_ = false;

@@ -1,0 +1,186 @@
+// kvlink_test_peer: a kvlink engine in its own process, for the two-process
+// tests (test/unit/engine/two_process_test.cpp).
+//
+//   kvlink_test_peer [--size BYTES] [--seed N] [--access rw|r|w]
+//
+// Starts a tcp_engine on 127.0.0.1:0, registers one segment of --size bytes
+// (default 80 MiB) filled with the pattern of --seed (default 1), granted as
+// --access (default rw), prints `ADDR <host:port>` on stdout and then serves
+// peers while it reads commands from stdin, one per line, each answered with
+// one line:
+//
+//   CHECK <offset> <length> <seed>  ->  OK | BAD <first differing offset> | ERR <why>
+//       compares segment bytes [offset, offset + length) with the pattern of
+//       <seed> at the same positions (what the test WROTE there);
+//   FILL <seed>                     ->  OK
+//       refills the whole segment with the pattern of <seed>.
+//
+// EOF on stdin: the engine is destroyed and the process exits 0. Exit 1 on a
+// set-up failure, 2 on bad arguments.
+//
+// The pattern: byte `pos` of the pattern of `seed` is byte pos % 8
+// (little-end first) of mix(mix(seed) ^ pos / 8), mix being splitmix64's
+// finaliser. It is random-access, so a test can lay the pattern's bytes for
+// remote positions into any local buffer. The test carries the same
+// function; its READ checks fail if the two ever differ.
+#include <kvlink/engine.hpp>
+
+#include <cerrno>
+#include <csignal>
+#include <cstdint>
+#include <cstdio>
+#include <cstring>
+#include <exception>
+#include <future>
+#include <iostream>
+#include <optional>
+#include <sstream>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include <asio/executor_work_guard.hpp>
+#include <asio/io_context.hpp>
+#include <asio/post.hpp>
+
+namespace {
+
+std::uint64_t mix(std::uint64_t z) noexcept {
+  z += 0x9e3779b97f4a7c15ULL;
+  z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ULL;
+  z = (z ^ (z >> 27)) * 0x94d049bb133111ebULL;
+  return z ^ (z >> 31);
+}
+
+// Writes the pattern of `seed` for positions [origin, origin + len) to dst.
+void fill_pattern(std::byte* dst, std::uint64_t len, std::uint64_t seed, std::uint64_t origin) {
+  const std::uint64_t key = mix(seed);
+  std::uint64_t w = mix(key ^ (origin / 8));
+  for (std::uint64_t i = 0; i < len; ++i) {
+    const std::uint64_t pos = origin + i;
+    if (pos % 8 == 0) w = mix(key ^ (pos / 8));
+    dst[i] = static_cast<std::byte>(w >> (8 * (pos % 8)));
+  }
+}
+
+// The first i in [0, len) where src[i] is not the pattern's byte at
+// origin + i; nullopt if none.
+std::optional<std::uint64_t> pattern_mismatch(const std::byte* src, std::uint64_t len,
+                                              std::uint64_t seed, std::uint64_t origin) {
+  const std::uint64_t key = mix(seed);
+  std::uint64_t w = mix(key ^ (origin / 8));
+  for (std::uint64_t i = 0; i < len; ++i) {
+    const std::uint64_t pos = origin + i;
+    if (pos % 8 == 0) w = mix(key ^ (pos / 8));
+    if (src[i] != static_cast<std::byte>(w >> (8 * (pos % 8)))) return i;
+  }
+  return std::nullopt;
+}
+
+bool parse_u64(const char* text, std::uint64_t& out) {
+  if (text == nullptr || *text == '\0' || *text == '-') return false;
+  char* end = nullptr;
+  errno = 0;
+  const unsigned long long v = std::strtoull(text, &end, 0);
+  if (errno != 0 || *end != '\0') return false;
+  out = v;
+  return true;
+}
+
+int usage(const char* why) {
+  std::fprintf(
+      stderr,
+      "kvlink_test_peer: %s\nusage: kvlink_test_peer [--size BYTES] [--seed N] [--access rw|r|w]\n",
+      why);
+  return 2;
+}
+
+// Answers one command line; runs on the io thread, so it is ordered with the
+// engine's handlers (which wrote the segment) and sees their bytes.
+std::string answer(const std::string& line, std::vector<std::byte>& mem) {
+  std::istringstream in(line);
+  std::string verb;
+  in >> verb;
+  if (verb == "CHECK") {
+    std::uint64_t off = 0, len = 0, seed = 0;
+    if (!(in >> off >> len >> seed)) return "ERR CHECK needs <offset> <length> <seed>";
+    if (off > mem.size() || len > mem.size() - off) return "ERR range outside the segment";
+    if (const auto bad = pattern_mismatch(mem.data() + off, len, seed, off)) {
+      return "BAD " + std::to_string(off + *bad);
+    }
+    return "OK";
+  }
+  if (verb == "FILL") {
+    std::uint64_t seed = 0;
+    if (!(in >> seed)) return "ERR FILL needs <seed>";
+    fill_pattern(mem.data(), mem.size(), seed, 0);
+    return "OK";
+  }
+  return "ERR unknown command '" + verb + "'";
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  std::uint64_t size = 80u << 20;  // 80 MiB
+  std::uint64_t seed = 1;
+  kvlink::access granted = kvlink::access::remote_read_write;
+  for (int i = 1; i < argc; ++i) {
+    const std::string arg = argv[i];
+    const char* value = i + 1 < argc ? argv[i + 1] : nullptr;
+    if (arg == "--size") {
+      if (!parse_u64(value, size) || size == 0) return usage("--size needs a positive byte count");
+    } else if (arg == "--seed") {
+      if (!parse_u64(value, seed)) return usage("--seed needs an unsigned integer");
+    } else if (arg == "--access") {
+      const std::string a = value ? value : "";
+      if (a == "rw") {
+        granted = kvlink::access::remote_read_write;
+      } else if (a == "r") {
+        granted = kvlink::access::remote_read;
+      } else if (a == "w") {
+        granted = kvlink::access::remote_write;
+      } else {
+        return usage("--access needs rw, r or w");
+      }
+    } else {
+      return usage(("unknown argument '" + arg + "'").c_str());
+    }
+    ++i;
+  }
+  // A test that went away must not kill us mid-reply; we notice EOF instead.
+  std::signal(SIGPIPE, SIG_IGN);
+
+  try {
+    std::vector<std::byte> mem(size);
+    fill_pattern(mem.data(), mem.size(), seed, 0);
+
+    asio::io_context io;
+    auto work = asio::make_work_guard(io);
+    std::optional<kvlink::tcp_engine> engine;
+    engine.emplace(io.get_executor(), kvlink::config{.listen = "127.0.0.1:0"});
+    engine->register_segment(mem.data(), mem.size(), granted);
+    std::thread runner([&io] { io.run(); });
+
+    std::cout << "ADDR " << engine->local_address() << std::endl;  // endl flushes
+    std::string line;
+    while (std::getline(std::cin, line)) {
+      std::promise<std::string> reply;
+      auto fut = reply.get_future();
+      asio::post(io, [&] { reply.set_value(answer(line, mem)); });
+      std::cout << fut.get() << std::endl;
+      if (!std::cout) break;  // nobody reads our replies any more
+    }
+
+    // The engine must not be destroyed while its handlers run: stop the
+    // io_context first, then destroy it from this thread.
+    work.reset();
+    io.stop();
+    runner.join();
+    engine.reset();
+    return 0;
+  } catch (const std::exception& e) {
+    std::fprintf(stderr, "kvlink_test_peer: %s\n", e.what());
+    return 1;
+  }
+}

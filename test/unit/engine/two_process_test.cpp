@@ -1,0 +1,495 @@
+// basic_engine over TCP between two processes: this test's engine against a
+// kvlink_test_peer child (test/support/test_peer.cpp) on loopback. WRITE and
+// READ from 1 byte to 64 MiB at random offsets and in batches of 1 to 10^4
+// requests, bytes verified on both sides (READs here, WRITEs by the child's
+// CHECK command); the child's access grant enforced; and a child killed with
+// SIGKILL mid-transfer: the transfer ends with peer_closed, the peer reads as
+// disconnected, later transfers fail fast.
+//
+// Every child is owned by a guard that SIGKILLs and reaps it in its
+// destructor, and it gets PR_SET_PDEATHSIG, so no process outlives the test.
+#include <kvlink/engine.hpp>
+
+#include <algorithm>
+#include <cerrno>
+#include <csignal>
+#include <cstring>
+#include <numeric>
+#include <optional>
+#include <random>
+#include <stdexcept>
+#include <string>
+#include <system_error>
+#include <vector>
+
+#include <asio/io_context.hpp>
+#include <doctest/doctest.h>
+#include <fcntl.h>
+#include <poll.h>
+#include <sys/prctl.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#ifndef KVLINK_TEST_PEER_PATH
+#error \
+    "KVLINK_TEST_PEER_PATH (the kvlink_test_peer executable) is set by test/support/CMakeLists.txt"
+#endif
+
+namespace {
+
+using namespace std::chrono_literals;
+using kvlink::opcode;
+
+// The pattern kvlink_test_peer uses (see the top of test_peer.cpp): byte
+// `pos` of the pattern of `seed`. Random-access, so this side can lay out
+// the bytes a remote range should hold.
+std::uint64_t mix(std::uint64_t z) noexcept {
+  z += 0x9e3779b97f4a7c15ULL;
+  z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ULL;
+  z = (z ^ (z >> 27)) * 0x94d049bb133111ebULL;
+  return z ^ (z >> 31);
+}
+
+void fill_pattern(std::byte* dst, std::uint64_t len, std::uint64_t seed, std::uint64_t origin) {
+  const std::uint64_t key = mix(seed);
+  std::uint64_t w = mix(key ^ (origin / 8));
+  for (std::uint64_t i = 0; i < len; ++i) {
+    const std::uint64_t pos = origin + i;
+    if (pos % 8 == 0) w = mix(key ^ (pos / 8));
+    dst[i] = static_cast<std::byte>(w >> (8 * (pos % 8)));
+  }
+}
+
+// True if src[0, len) is the pattern of `seed` at positions origin...
+bool is_pattern(const std::byte* src, std::uint64_t len, std::uint64_t seed, std::uint64_t origin) {
+  const std::uint64_t key = mix(seed);
+  std::uint64_t w = mix(key ^ (origin / 8));
+  for (std::uint64_t i = 0; i < len; ++i) {
+    const std::uint64_t pos = origin + i;
+    if (pos % 8 == 0) w = mix(key ^ (pos / 8));
+    if (src[i] != static_cast<std::byte>(w >> (8 * (pos % 8)))) return false;
+  }
+  return true;
+}
+
+template <class Pred>
+bool run_until(asio::io_context& io, Pred done, std::chrono::seconds limit = 120s) {
+  const auto until = std::chrono::steady_clock::now() + limit;
+  while (!done()) {
+    if (std::chrono::steady_clock::now() > until) return false;
+    io.run_one_for(100ms);
+  }
+  return true;
+}
+
+std::system_error sys_error(const char* what) { return {errno, std::generic_category(), what}; }
+
+// A kvlink_test_peer child with pipes to its stdin and from its stdout. The
+// destructor SIGKILLs it if it still runs and always reaps it.
+class peer_process {
+ public:
+  explicit peer_process(std::vector<std::string> args) {
+    // Writing to the pipe of a child that died must be an error, not SIGPIPE.
+    std::signal(SIGPIPE, SIG_IGN);
+    int in[2], out[2];
+    if (::pipe2(in, O_CLOEXEC) != 0) throw sys_error("pipe2");
+    if (::pipe2(out, O_CLOEXEC) != 0) {
+      ::close(in[0]);
+      ::close(in[1]);
+      throw sys_error("pipe2");
+    }
+    args.insert(args.begin(), KVLINK_TEST_PEER_PATH);
+    std::vector<char*> argv;
+    for (auto& a : args) argv.push_back(a.data());
+    argv.push_back(nullptr);
+    const pid_t parent = ::getpid();
+    pid_ = ::fork();
+    if (pid_ == 0) {
+      // Child: only async-signal-safe calls until execv.
+      ::prctl(PR_SET_PDEATHSIG, SIGKILL);
+      if (::getppid() != parent) ::_exit(127);  // the test already died
+      ::dup2(in[0], STDIN_FILENO);
+      ::dup2(out[1], STDOUT_FILENO);
+      // No inherited descriptors (other children's pipes, engine sockets).
+      ::close_range(3, ~0U, 0);
+      ::execv(argv[0], argv.data());
+      ::_exit(127);
+    }
+    ::close(in[0]);
+    ::close(out[1]);
+    if (pid_ < 0) {
+      ::close(in[1]);
+      ::close(out[0]);
+      throw sys_error("fork");
+    }
+    to_child_ = in[1];
+    from_child_ = out[0];
+    const auto first = read_line();
+    if (first.rfind("ADDR ", 0) != 0) {
+      kill_now();  // the destructor does not run for a constructor that throws
+      close_fds();
+      throw std::runtime_error("kvlink_test_peer did not announce its address; it said '" + first +
+                               "'");
+    }
+    address_ = first.substr(5);
+  }
+
+  ~peer_process() {
+    close_fds();
+    if (pid_ > 0) {
+      ::kill(pid_, SIGKILL);
+      reap();
+    }
+  }
+
+  peer_process(const peer_process&) = delete;
+  peer_process& operator=(const peer_process&) = delete;
+
+  const std::string& address() const noexcept { return address_; }
+
+  /// Sends one command line and returns the one-line answer ("" on EOF or
+  /// after the generous timeout).
+  std::string command(const std::string& line) {
+    send(line);
+    return read_line();
+  }
+
+  void send(const std::string& line) {
+    const std::string bytes = line + "\n";
+    std::size_t done = 0;
+    while (done < bytes.size()) {
+      const auto n = ::write(to_child_, bytes.data() + done, bytes.size() - done);
+      if (n < 0 && errno == EINTR) continue;
+      if (n <= 0) throw sys_error("write to kvlink_test_peer");
+      done += static_cast<std::size_t>(n);
+    }
+  }
+
+  std::string read_line(std::chrono::seconds limit = 120s) {
+    const auto until = std::chrono::steady_clock::now() + limit;
+    for (;;) {
+      if (const auto nl = buffer_.find('\n'); nl != std::string::npos) {
+        std::string line = buffer_.substr(0, nl);
+        buffer_.erase(0, nl + 1);
+        return line;
+      }
+      const auto left = std::chrono::duration_cast<std::chrono::milliseconds>(
+          until - std::chrono::steady_clock::now());
+      if (left <= 0ms || from_child_ < 0) return {};
+      pollfd p{from_child_, POLLIN, 0};
+      const int r = ::poll(&p, 1, static_cast<int>(left.count()));
+      if (r < 0 && errno == EINTR) continue;
+      if (r <= 0) return {};
+      char chunk[4096];
+      const auto n = ::read(from_child_, chunk, sizeof chunk);
+      if (n < 0 && errno == EINTR) continue;
+      if (n <= 0) return {};
+      buffer_.append(chunk, static_cast<std::size_t>(n));
+    }
+  }
+
+  /// SIGKILL now, and reap.
+  void kill_now() {
+    if (pid_ <= 0) return;
+    ::kill(pid_, SIGKILL);
+    reap();
+  }
+
+  /// Closes its stdin (the signal to exit) and waits; returns its exit
+  /// status, or -1 if it did not exit normally within the limit (then it is
+  /// killed).
+  int finish(std::chrono::seconds limit = 120s) {
+    close_fds();
+    const auto until = std::chrono::steady_clock::now() + limit;
+    while (pid_ > 0 && std::chrono::steady_clock::now() < until) {
+      int status = 0;
+      const pid_t r = ::waitpid(pid_, &status, WNOHANG);
+      if (r == pid_) {
+        pid_ = -1;
+        return WIFEXITED(status) ? WEXITSTATUS(status) : -1;
+      }
+      if (r < 0 && errno != EINTR) break;
+      ::usleep(10000);
+    }
+    kill_now();
+    return -1;
+  }
+
+ private:
+  void reap() {
+    int status = 0;
+    while (::waitpid(pid_, &status, 0) < 0 && errno == EINTR) {
+    }
+    pid_ = -1;
+  }
+
+  void close_fds() {
+    if (to_child_ >= 0) ::close(to_child_);
+    if (from_child_ >= 0) ::close(from_child_);
+    to_child_ = from_child_ = -1;
+  }
+
+  pid_t pid_ = -1;
+  int to_child_ = -1;
+  int from_child_ = -1;
+  std::string buffer_;
+  std::string address_;
+};
+
+struct outcome {
+  std::error_code ec;
+  kvlink::transfer_result result;
+};
+
+constexpr std::uint64_t segment_size = 80u << 20;  // 80 MiB: the child's default
+
+// This process's engine and memory, connected to a kvlink_test_peer child.
+struct rig {
+  peer_process child;
+  asio::io_context io;
+  std::vector<std::byte> local_mem;  // outlives the engine it is registered with
+  kvlink::tcp_engine engine;
+  kvlink::peer peer;
+  kvlink::remote_segment remote;  // kept: a dead peer's segment list may be gone
+
+  explicit rig(const std::string& access = "rw", std::uint64_t seed = 1)
+      : child({"--size", std::to_string(segment_size), "--seed", std::to_string(seed), "--access",
+               access}),
+        local_mem(segment_size),
+        engine(io.get_executor(), config()) {
+    engine.register_segment(local_mem.data(), local_mem.size(), kvlink::access::none);
+    std::optional<std::pair<std::error_code, kvlink::peer>> out;
+    engine.async_connect(child.address(),
+                         [&](std::error_code ec, kvlink::peer p) { out.emplace(ec, p); });
+    REQUIRE(run_until(io, [&] { return out.has_value(); }));
+    REQUIRE_MESSAGE(!out->first, out->first.message());
+    peer = out->second;
+    REQUIRE(peer.segments().size() == 1);
+    remote = peer.segment(0);
+  }
+
+  static kvlink::config config() {
+    kvlink::config c;
+    c.fence_timeout = 500ms;
+    c.transfer_deadline =
+        0ms;  // a loaded machine must not fail a transfer; run_until bounds the wait
+    return c;
+  }
+
+  outcome run(const std::vector<kvlink::transfer_request>& reqs) {
+    std::optional<outcome> out;
+    engine.async_submit_transfer(reqs, [&](std::error_code ec, kvlink::transfer_result r) {
+      out = outcome{ec, r};
+    });
+    REQUIRE(run_until(io, [&] { return out.has_value(); }));
+    return *out;
+  }
+
+  kvlink::transfer_request req(opcode op, std::size_t local_off, std::uint64_t remote_off,
+                               std::uint64_t len) {
+    return {op, local_mem.data() + local_off, remote, remote_off, len};
+  }
+
+  std::string fill_remote(std::uint64_t seed) {
+    return child.command("FILL " + std::to_string(seed));
+  }
+
+  std::string check_remote(std::uint64_t off, std::uint64_t len, std::uint64_t seed) {
+    return child.command("CHECK " + std::to_string(off) + " " + std::to_string(len) + " " +
+                         std::to_string(seed));
+  }
+
+  // Many CHECKs, pipelined in chunks (the answers of a chunk fit in the
+  // pipe, so neither side blocks); returns the first answer that is not OK.
+  struct range {
+    std::uint64_t off, len, seed;
+  };
+  std::string check_remote(const std::vector<range>& ranges) {
+    constexpr std::size_t chunk = 256;
+    for (std::size_t i = 0; i < ranges.size(); i += chunk) {
+      const auto end = std::min(ranges.size(), i + chunk);
+      for (auto j = i; j < end; ++j) {
+        child.send("CHECK " + std::to_string(ranges[j].off) + " " + std::to_string(ranges[j].len) +
+                   " " + std::to_string(ranges[j].seed));
+      }
+      for (auto j = i; j < end; ++j) {
+        auto answer = child.read_line();
+        if (answer != "OK") return answer + " (range at " + std::to_string(ranges[j].off) + ")";
+      }
+    }
+    return "OK";
+  }
+};
+
+}  // namespace
+
+TEST_CASE("two processes: the child announces its segment and serves READs of its pattern") {
+  rig r{"rw", 77};
+  REQUIRE(r.peer.connected());
+  CHECK(r.peer.transport() == "tcp");
+  CHECK(r.peer.address() == r.child.address());
+  REQUIRE(r.peer.segments().size() == 1);
+  CHECK(r.peer.segments()[0].length == segment_size);
+  auto out = r.run({r.req(opcode::read, 0, 0, segment_size)});
+  REQUIRE_MESSAGE(!out.ec, out.ec.message());
+  CHECK(out.result.bytes == segment_size);
+  CHECK(is_pattern(r.local_mem.data(), segment_size, 77, 0));
+  // The child's own check agrees, and catches a wrong seed.
+  CHECK(r.check_remote(0, segment_size, 77) == "OK");
+  CHECK(r.check_remote(0, segment_size, 78).rfind("BAD ", 0) == 0);
+  CHECK(r.child.command("CHECK 1 2").rfind("ERR", 0) == 0);
+  CHECK(r.child.finish() == 0);  // EOF on stdin: a clean exit
+}
+
+TEST_CASE("two processes: sizes from 1 byte to 64 MiB at random offsets, WRITE and READ") {
+  rig r;
+  std::mt19937_64 g{4242};
+  const std::uint64_t sizes[] = {1,         7,        4096, 65536, 65537, 1 << 20, (1 << 20) + 3,
+                                 16u << 20, 64u << 20};
+  for (const auto size : sizes) {
+    for (const auto op : {opcode::write, opcode::read}) {
+      CAPTURE(size);
+      CAPTURE(kvlink::to_string(op));
+      const auto slack = segment_size - size;
+      const auto loff = static_cast<std::size_t>(g() % (slack + 1));
+      const auto roff = g() % (slack + 1);
+      const auto local_seed = g();
+      const auto remote_seed = g();
+      REQUIRE(r.fill_remote(remote_seed) == "OK");
+      fill_pattern(r.local_mem.data(), segment_size, local_seed, 0);
+      if (op == opcode::write) {
+        // The local source holds the pattern of `write_seed` as it should
+        // land at [roff, roff + size) in the child.
+        const auto write_seed = g();
+        fill_pattern(r.local_mem.data() + loff, size, write_seed, roff);
+        auto out = r.run({r.req(op, loff, roff, size)});
+        REQUIRE_MESSAGE(!out.ec, out.ec.message());
+        CHECK(out.result.bytes == size);
+        CHECK(r.check_remote(roff, size, write_seed) == "OK");
+        // Nothing around the destination changed.
+        CHECK(r.check_remote(0, roff, remote_seed) == "OK");
+        CHECK(r.check_remote(roff + size, segment_size - roff - size, remote_seed) == "OK");
+      } else {
+        auto out = r.run({r.req(op, loff, roff, size)});
+        REQUIRE_MESSAGE(!out.ec, out.ec.message());
+        CHECK(out.result.bytes == size);
+        CHECK(is_pattern(r.local_mem.data() + loff, size, remote_seed, roff));
+        CHECK(is_pattern(r.local_mem.data(), loff, local_seed, 0));
+        CHECK(is_pattern(r.local_mem.data() + loff + size, segment_size - loff - size, local_seed,
+                         loff + size));
+        CHECK(r.check_remote(0, segment_size, remote_seed) ==
+              "OK");  // a READ changes nothing there
+      }
+    }
+  }
+  CHECK(r.child.finish() == 0);
+}
+
+TEST_CASE("two processes: batches of 1 to 10^4 requests, scattered, mixed sizes") {
+  constexpr std::uint64_t region = 16u << 20;
+  rig r;
+  std::mt19937_64 g{99};
+  for (const std::size_t n : {1u, 10u, 100u, 1000u, 10000u}) {
+    for (const auto op : {opcode::write, opcode::read}) {
+      CAPTURE(n);
+      CAPTURE(kvlink::to_string(op));
+      const auto local_seed = g();
+      const auto remote_seed = g();
+      const auto write_seed = g();
+      REQUIRE(r.fill_remote(remote_seed) == "OK");
+      fill_pattern(r.local_mem.data(), segment_size, local_seed, 0);
+      // Disjoint remote ranges: a permutation of fixed-size slots.
+      const std::uint64_t slot = region / n;
+      std::vector<std::uint64_t> perm(n);
+      std::iota(perm.begin(), perm.end(), 0);
+      std::shuffle(perm.begin(), perm.end(), g);
+      std::vector<kvlink::transfer_request> reqs;
+      std::vector<std::uint64_t> lens;
+      std::uint64_t bytes = 0;
+      for (std::size_t i = 0; i < n; ++i) {
+        const auto len = 1 + g() % slot;
+        lens.push_back(len);
+        if (op == opcode::write)
+          fill_pattern(r.local_mem.data() + i * slot, len, write_seed, perm[i] * slot);
+        reqs.push_back(r.req(op, i * slot, perm[i] * slot, len));
+        bytes += len;
+      }
+      auto out = r.run(reqs);
+      REQUIRE_MESSAGE(!out.ec, out.ec.message());
+      CHECK(out.result.bytes == bytes);
+      CHECK(out.result.requests == n);
+      if (op == opcode::write) {
+        // Each slot: the written head, the untouched rest; then the tail of
+        // the segment beyond the slots.
+        std::vector<rig::range> ranges;
+        for (std::size_t i = 0; i < n; ++i) {
+          ranges.push_back({perm[i] * slot, lens[i], write_seed});
+          ranges.push_back({perm[i] * slot + lens[i], slot - lens[i], remote_seed});
+        }
+        ranges.push_back({n * slot, segment_size - n * slot, remote_seed});
+        CHECK(r.check_remote(ranges) == "OK");
+      } else {
+        for (std::size_t i = 0; i < n; ++i) {
+          CAPTURE(i);
+          REQUIRE(is_pattern(r.local_mem.data() + i * slot, lens[i], remote_seed, perm[i] * slot));
+          REQUIRE(is_pattern(r.local_mem.data() + i * slot + lens[i], slot - lens[i], local_seed,
+                             i * slot + lens[i]));
+        }
+        CHECK(is_pattern(r.local_mem.data() + n * slot, segment_size - n * slot, local_seed,
+                         n * slot));
+      }
+    }
+  }
+  CHECK(r.child.finish() == 0);
+}
+
+TEST_CASE("two processes: the child's access grant is enforced across the process boundary") {
+  rig r{"r", 5};  // the child grants READ only
+  fill_pattern(r.local_mem.data(), segment_size, 6, 0);
+  auto w = r.run({r.req(opcode::write, 0, 4096, 1 << 20)});
+  CHECK(w.ec == kvlink::errc::access_denied);
+  CHECK(r.check_remote(0, segment_size, 5) == "OK");  // not a byte written
+  auto rd = r.run({r.req(opcode::read, 0, 4096, 1 << 20)});
+  REQUIRE_MESSAGE(!rd.ec, rd.ec.message());
+  CHECK(is_pattern(r.local_mem.data(), 1 << 20, 5, 4096));
+  CHECK(r.child.finish() == 0);
+}
+
+namespace {
+
+void kill_mid_transfer(opcode op) {
+  CAPTURE(kvlink::to_string(op));
+  constexpr std::uint64_t size = 64u << 20;
+  rig r;
+  fill_pattern(r.local_mem.data(), segment_size, 3, 0);
+  std::optional<outcome> out;
+  r.engine.async_submit_transfer(std::vector{r.req(op, 0, 0, size)},
+                                 [&](std::error_code ec, kvlink::transfer_result res) {
+                                   out = outcome{ec, res};
+                                 });
+  // Let some bytes flow, then the child dies without a word.
+  for (int i = 0; i < 20 && !out; ++i) r.io.run_one_for(5ms);
+  r.child.kill_now();
+  REQUIRE(run_until(r.io, [&] { return out.has_value(); }));
+  if (out->ec) {  // it may have finished before the child died
+    CHECK(out->ec == kvlink::errc::peer_closed);
+    CHECK(out->result.bytes < size);
+  } else {
+    CHECK(out->result.bytes == size);
+  }
+  REQUIRE(run_until(r.io, [&] { return !r.peer.connected(); }));
+  std::optional<std::error_code> later;
+  r.engine.async_submit_transfer(std::vector{r.req(op, 0, 0, 16)},
+                                 [&](std::error_code ec, kvlink::transfer_result) { later = ec; });
+  REQUIRE(run_until(r.io, [&] { return later.has_value(); }));
+  CHECK(*later == kvlink::errc::peer_closed);
+}
+
+}  // namespace
+
+TEST_CASE(
+    "two processes: a peer killed mid-transfer fails it with peer_closed, later transfers fail "
+    "fast") {
+  SUBCASE("WRITE") { kill_mid_transfer(opcode::write); }
+  SUBCASE("READ") { kill_mid_transfer(opcode::read); }
+}
