@@ -1,0 +1,288 @@
+// Prefill pushes a prompt's paged KV cache into decode, Mooncake style, in
+// two processes: decode registers its KV cache and waits; prefill fills its
+// own cache with a known pattern, WRITEs it chunk by chunk into decode's
+// differently numbered block table, and attaches a notification to each
+// chunk. Decode verifies every byte of a chunk as its notification arrives
+// (the notification is delivered only after the chunk's data is in place),
+// then both report time and bandwidth.
+//
+//   build/examples/prefill_decode [--tokens 4096] [--model qwen3-8b] [--chunk-blocks 32]
+//
+// With no --role it starts decode as a child process on loopback.
+#include <kvlink/kvlink.hpp>
+
+#include <chrono>
+#include <csignal>
+#include <cstdio>
+#include <cstring>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include <asio/co_spawn.hpp>
+#include <asio/io_context.hpp>
+#include <asio/use_awaitable.hpp>
+#include <fmt/format.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+namespace {
+
+struct options {
+  std::string role = "both";
+  std::string model = "qwen3-8b";
+  std::uint32_t tokens = 4096;
+  std::uint32_t chunk_blocks = 32;
+  std::string connect;
+};
+
+std::uint64_t mix(std::uint64_t x) {
+  x += 0x9e3779b97f4a7c15ull;
+  x = (x ^ (x >> 30)) * 0xbf58476d1ce4e5b9ull;
+  x = (x ^ (x >> 27)) * 0x94d049bb133111ebull;
+  return x ^ (x >> 31);
+}
+
+// The bytes of logical block `i` of layer `layer`, tensor `kv` (0 = K, 1 = V):
+// the same on both sides whatever physical block holds them.
+void pattern(std::byte* out, std::uint64_t len, std::uint32_t layer, std::uint32_t kv,
+             std::uint32_t i) {
+  const std::uint64_t seed = mix((std::uint64_t{layer} << 40) ^ (std::uint64_t{kv} << 32) ^ i);
+  for (std::uint64_t w = 0; w < len; w += 8) {
+    const std::uint64_t v = mix(seed + w);
+    std::memcpy(out + w, &v, std::min<std::uint64_t>(8, len - w));
+  }
+}
+
+// Prefill's block table is 0, 1, 2, ...; decode's is another numbering, in
+// runs of 8 with gaps (as an allocator hands them out). In a serving engine
+// decode allocates these ids and its scheduler tells prefill; here both sides
+// compute them from the same rule.
+std::uint32_t prefill_block(std::uint32_t i) { return i; }
+std::uint32_t decode_block(std::uint32_t i) { return 5 + (i / 8) * 11 + (i % 8); }
+
+kvlink::kv_layout make_layout(const options& o, std::uint32_t blocks) {
+  const auto preset = kvlink::find_model_preset(o.model);
+  if (!preset) throw std::runtime_error(fmt::format("unknown model preset '{}'", o.model));
+  // Room for decode's sparser numbering.
+  return preset->layout(decode_block(blocks) + 1);
+}
+
+std::uint32_t block_count(const options& o, const kvlink::kv_layout& l) {
+  return (o.tokens + l.block_tokens - 1) / l.block_tokens;
+}
+
+std::byte* block_addr(const kvlink::kv_local_view& v, std::uint32_t layer, std::uint32_t kv,
+                      std::uint32_t block) {
+  void* base = kv == 0 ? v.k[layer] : v.v[layer];
+  return static_cast<std::byte*>(base) + std::uint64_t{block} * v.layout.block_stride();
+}
+
+// ------------------------------------------------------------------ decode
+
+int run_decode(const options& o) {
+  auto layout = make_layout(o, 1);
+  const std::uint32_t blocks = block_count(o, layout);
+  layout = make_layout(o, blocks);
+  std::vector<std::byte> cache(layout.total_bytes());
+  const auto view = kvlink::kv_local_view::contiguous(layout, cache.data());
+
+  asio::io_context io;
+  kvlink::tcp_engine engine{io.get_executor(), kvlink::config{.listen = "127.0.0.1:0"}};
+  engine.register_segment(cache.data(), cache.size(), kvlink::access::remote_write);
+  std::printf("ADDR %s\n", engine.local_address().c_str());
+  std::fflush(stdout);
+
+  std::uint64_t verified = 0, bad = 0;
+  std::optional<std::chrono::steady_clock::time_point> first;
+  std::vector<std::byte> expect(layout.block_stride());
+  bool done = false;
+  asio::co_spawn(
+      io,
+      [&]() -> asio::awaitable<void> {
+        while (!done) {
+          auto n = co_await engine.async_receive_notification(asio::use_awaitable);
+          if (!first) first = std::chrono::steady_clock::now();
+          unsigned chunk_first = 0, chunk_count = 0;
+          if (std::sscanf(n.payload.c_str(), "%u %u", &chunk_first, &chunk_count) != 2) {
+            ++bad;
+            continue;
+          }
+          // The chunk's data is already here: verify block by block.
+          for (std::uint32_t i = chunk_first; i < chunk_first + chunk_count; ++i) {
+            for (std::uint32_t l = 0; l < layout.num_layers; ++l) {
+              for (std::uint32_t kv = 0; kv < 2; ++kv) {
+                pattern(expect.data(), expect.size(), l, kv, i);
+                const auto* got = block_addr(view, l, kv, decode_block(i));
+                if (std::memcmp(got, expect.data(), expect.size()) == 0) {
+                  verified += expect.size();
+                } else {
+                  ++bad;
+                }
+              }
+            }
+          }
+          done = n.id == "last";
+        }
+      },
+      [&](std::exception_ptr e) {
+        if (e) ++bad;
+        io.stop();
+      });
+  io.run();
+  const auto secs =
+      first ? std::chrono::duration<double>(std::chrono::steady_clock::now() - *first).count() : 0;
+  std::fprintf(stderr,
+               "decode: verified %llu bytes (%.2f GiB) of %u blocks in %.3f s after the first "
+               "chunk, %llu bad blocks\n",
+               static_cast<unsigned long long>(verified),
+               static_cast<double>(verified) / double(1ull << 30), blocks, secs,
+               static_cast<unsigned long long>(bad));
+  return bad == 0 &&
+                 verified == std::uint64_t{blocks} * layout.num_layers * 2 * layout.block_stride()
+             ? 0
+             : 1;
+}
+
+// ------------------------------------------------------------------ prefill
+
+int run_prefill(const options& o, const std::string& address) {
+  auto layout = make_layout(o, 1);
+  const std::uint32_t blocks = block_count(o, layout);
+  layout = make_layout(o, blocks);
+  std::vector<std::byte> cache(layout.total_bytes());
+  const auto view = kvlink::kv_local_view::contiguous(layout, cache.data());
+  for (std::uint32_t i = 0; i < blocks; ++i) {
+    for (std::uint32_t l = 0; l < layout.num_layers; ++l) {
+      for (std::uint32_t kv = 0; kv < 2; ++kv) {
+        pattern(block_addr(view, l, kv, prefill_block(i)), layout.block_stride(), l, kv, i);
+      }
+    }
+  }
+
+  asio::io_context io;
+  kvlink::tcp_engine engine{io.get_executor(), kvlink::config{.listen = "127.0.0.1:0"}};
+  engine.register_segment(cache.data(), cache.size(), kvlink::access::none);
+
+  int status = 1;
+  asio::co_spawn(
+      io,
+      [&]() -> asio::awaitable<int> {
+        kvlink::peer decode = co_await engine.async_connect(address, asio::use_awaitable);
+        const auto remote = kvlink::kv_remote_view::contiguous(layout, decode.segment(0));
+        std::uint64_t bytes = 0, requests = 0;
+        const auto start = std::chrono::steady_clock::now();
+        std::vector<kvlink::transfer_request> reqs;
+        for (std::uint32_t first = 0; first < blocks; first += o.chunk_blocks) {
+          const std::uint32_t count = std::min(o.chunk_blocks, blocks - first);
+          std::vector<std::uint32_t> src, dst;
+          for (std::uint32_t i = first; i < first + count; ++i) {
+            src.push_back(prefill_block(i));
+            dst.push_back(decode_block(i));
+          }
+          reqs.clear();
+          std::string why;
+          if (auto ec = kvlink::make_block_transfer(kvlink::opcode::write, view, remote, src, dst,
+                                                    reqs, &why)) {
+            throw std::system_error(ec, why);
+          }
+          kvlink::transfer_options opts;
+          const bool last = first + count >= blocks;
+          opts.notify =
+              kvlink::notification{last ? "last" : "chunk", fmt::format("{} {}", first, count)};
+          auto r = co_await engine.async_submit_transfer(reqs, opts, asio::use_awaitable);
+          bytes += r.bytes;
+          requests += reqs.size();
+        }
+        const double secs =
+            std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+        std::fprintf(stderr,
+                     "prefill: %u tokens of %s = %u blocks, %llu bytes (%.2f GiB) in %llu "
+                     "requests, %.3f s, %.2f GB/s (%.2f GiB/s)\n",
+                     o.tokens, o.model.c_str(), blocks, static_cast<unsigned long long>(bytes),
+                     static_cast<double>(bytes) / double(1ull << 30),
+                     static_cast<unsigned long long>(requests), secs,
+                     static_cast<double>(bytes) / secs / 1e9,
+                     static_cast<double>(bytes) / secs / double(1ull << 30));
+        co_return 0;
+      },
+      [&](std::exception_ptr e, int rc) {
+        if (e) {
+          try {
+            std::rethrow_exception(e);
+          } catch (const std::exception& ex) {
+            std::fprintf(stderr, "prefill: %s\n", ex.what());
+          }
+        }
+        status = e ? 1 : rc;
+        io.stop();
+      });
+  io.run();
+  return status;
+}
+
+// ------------------------------------------------------------------ both
+
+int run_both(const options& o, const char* self) {
+  int out[2];
+  if (pipe(out) != 0) return 1;
+  const std::string tokens = std::to_string(o.tokens);
+  const pid_t child = fork();
+  if (child == 0) {
+    dup2(out[1], STDOUT_FILENO);
+    close(out[0]);
+    close(out[1]);
+    execl(self, self, "--role", "decode", "--tokens", tokens.c_str(), "--model", o.model.c_str(),
+          static_cast<char*>(nullptr));
+    _exit(127);
+  }
+  close(out[1]);
+  std::string line;
+  char c = 0;
+  while (read(out[0], &c, 1) == 1 && c != '\n') line += c;
+  close(out[0]);
+  int prefill = 1;
+  if (line.rfind("ADDR ", 0) == 0) {
+    prefill = run_prefill(o, line.substr(5));
+  } else {
+    std::fprintf(stderr, "decode did not start\n");
+  }
+  if (prefill != 0) kill(child, SIGKILL);  // it would wait for chunks forever
+  int wstatus = 0;
+  waitpid(child, &wstatus, 0);
+  const int decode = WIFEXITED(wstatus) ? WEXITSTATUS(wstatus) : 1;
+  std::fprintf(stderr, "%s\n", prefill == 0 && decode == 0 ? "OK: every byte verified" : "FAILED");
+  return prefill == 0 && decode == 0 ? 0 : 1;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  options o;
+  for (int i = 1; i + 1 < argc; i += 2) {
+    const std::string k = argv[i], v = argv[i + 1];
+    if (k == "--role")
+      o.role = v;
+    else if (k == "--tokens")
+      o.tokens = static_cast<std::uint32_t>(std::stoul(v));
+    else if (k == "--model")
+      o.model = v;
+    else if (k == "--chunk-blocks")
+      o.chunk_blocks = static_cast<std::uint32_t>(std::stoul(v));
+    else if (k == "--connect")
+      o.connect = v;
+    else {
+      std::fprintf(stderr, "unknown option %s\n", k.c_str());
+      return 2;
+    }
+  }
+  if (o.tokens == 0 || o.chunk_blocks == 0) return 2;
+  try {
+    if (o.role == "decode") return run_decode(o);
+    if (o.role == "prefill") return run_prefill(o, o.connect);
+    return run_both(o, "/proc/self/exe");
+  } catch (const std::exception& e) {
+    std::fprintf(stderr, "%s: %s\n", o.role.c_str(), e.what());
+    return 1;
+  }
+}
