@@ -39,29 +39,15 @@
 #include <thread>
 #include <vector>
 
+#include "test_support.hpp"
 #include <asio/executor_work_guard.hpp>
 #include <asio/io_context.hpp>
 #include <asio/post.hpp>
 
 namespace {
 
-std::uint64_t mix(std::uint64_t z) noexcept {
-  z += 0x9e3779b97f4a7c15ULL;
-  z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ULL;
-  z = (z ^ (z >> 27)) * 0x94d049bb133111ebULL;
-  return z ^ (z >> 31);
-}
-
-// Writes the pattern of `seed` for positions [origin, origin + len) to dst.
-void fill_pattern(std::byte* dst, std::uint64_t len, std::uint64_t seed, std::uint64_t origin) {
-  const std::uint64_t key = mix(seed);
-  std::uint64_t w = mix(key ^ (origin / 8));
-  for (std::uint64_t i = 0; i < len; ++i) {
-    const std::uint64_t pos = origin + i;
-    if (pos % 8 == 0) w = mix(key ^ (pos / 8));
-    dst[i] = static_cast<std::byte>(w >> (8 * (pos % 8)));
-  }
-}
+using kvlink_test::fill_pattern;
+using kvlink_test::mix;
 
 // The first i in [0, len) where src[i] is not the pattern's byte at
 // origin + i; nullopt if none.

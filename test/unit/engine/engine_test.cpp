@@ -8,6 +8,7 @@
 #include <random>
 #include <thread>
 
+#include "../../support/test_support.hpp"
 #include <asio/bind_cancellation_slot.hpp>
 #include <asio/co_spawn.hpp>
 #include <asio/detached.hpp>
@@ -21,6 +22,7 @@ namespace {
 
 using namespace std::chrono_literals;
 using kvlink::opcode;
+using kvlink_test::run_until;
 
 void fill(std::span<std::byte> s, std::uint64_t seed) {
   std::mt19937_64 g{seed};
@@ -37,18 +39,6 @@ kvlink::config test_config() {
   c.fence_timeout = 200ms;
   c.connect_timeout = 2s;
   return c;
-}
-
-// Runs the io_context until `done` or the (generous) limit: a hang fails the
-// test instead of blocking the suite.
-template <class Pred>
-bool run_until(asio::io_context& io, Pred done, std::chrono::seconds limit = 60s) {
-  const auto until = std::chrono::steady_clock::now() + limit;
-  while (!done()) {
-    if (std::chrono::steady_clock::now() > until) return false;
-    io.run_one_for(100ms);
-  }
-  return true;
 }
 
 struct outcome {
@@ -878,4 +868,35 @@ TEST_CASE("notifications: attached to a WRITE they arrive after the data; standa
   sig.emit(asio::cancellation_type::terminal);
   REQUIRE(run_until(r.io, [&] { return rec.has_value(); }));
   CHECK(*rec == kvlink::errc::cancelled);
+}
+
+TEST_CASE("handshakes are served concurrently: a client that never speaks does not block others") {
+  asio::io_context io;
+  auto cfg = test_config();
+  cfg.connect_timeout = 30s;  // the mute client would hold a one-at-a-time server this long
+  kvlink::tcp_engine target{io.get_executor(), cfg};
+  std::vector<std::byte> mem(4096);
+  target.register_segment(mem.data(), mem.size());
+  const auto addr = target.local_address();
+  const auto port = static_cast<std::uint16_t>(std::stoi(addr.substr(addr.rfind(':') + 1)));
+  // Several mute connections first...
+  std::vector<asio::ip::tcp::socket> mute;
+  for (int i = 0; i < 4; ++i) {
+    mute.emplace_back(io);
+    mute.back().connect({asio::ip::make_address("127.0.0.1"), port});
+  }
+  // ... then several engines connect at once; all get through while the mute
+  // ones are still waiting for their hello.
+  std::vector<std::unique_ptr<kvlink::tcp_engine>> clients;
+  int connected = 0;
+  for (int i = 0; i < 4; ++i) {
+    clients.push_back(std::make_unique<kvlink::tcp_engine>(io.get_executor(), test_config()));
+    clients.back()->async_connect(addr, [&](std::error_code ec, kvlink::peer p) {
+      CHECK_FALSE(ec);
+      CHECK(p.segments().size() == 1);
+      ++connected;
+    });
+  }
+  REQUIRE(run_until(
+      io, [&] { return connected == 4; }, 20s));
 }

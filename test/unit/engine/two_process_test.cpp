@@ -22,6 +22,7 @@
 #include <system_error>
 #include <vector>
 
+#include "../../support/test_support.hpp"
 #include <asio/io_context.hpp>
 #include <doctest/doctest.h>
 #include <fcntl.h>
@@ -39,48 +40,9 @@ namespace {
 
 using namespace std::chrono_literals;
 using kvlink::opcode;
-
-// The pattern kvlink_test_peer uses (see the top of test_peer.cpp): byte
-// `pos` of the pattern of `seed`. Random-access, so this side can lay out
-// the bytes a remote range should hold.
-std::uint64_t mix(std::uint64_t z) noexcept {
-  z += 0x9e3779b97f4a7c15ULL;
-  z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ULL;
-  z = (z ^ (z >> 27)) * 0x94d049bb133111ebULL;
-  return z ^ (z >> 31);
-}
-
-void fill_pattern(std::byte* dst, std::uint64_t len, std::uint64_t seed, std::uint64_t origin) {
-  const std::uint64_t key = mix(seed);
-  std::uint64_t w = mix(key ^ (origin / 8));
-  for (std::uint64_t i = 0; i < len; ++i) {
-    const std::uint64_t pos = origin + i;
-    if (pos % 8 == 0) w = mix(key ^ (pos / 8));
-    dst[i] = static_cast<std::byte>(w >> (8 * (pos % 8)));
-  }
-}
-
-// True if src[0, len) is the pattern of `seed` at positions origin...
-bool is_pattern(const std::byte* src, std::uint64_t len, std::uint64_t seed, std::uint64_t origin) {
-  const std::uint64_t key = mix(seed);
-  std::uint64_t w = mix(key ^ (origin / 8));
-  for (std::uint64_t i = 0; i < len; ++i) {
-    const std::uint64_t pos = origin + i;
-    if (pos % 8 == 0) w = mix(key ^ (pos / 8));
-    if (src[i] != static_cast<std::byte>(w >> (8 * (pos % 8)))) return false;
-  }
-  return true;
-}
-
-template <class Pred>
-bool run_until(asio::io_context& io, Pred done, std::chrono::seconds limit = 120s) {
-  const auto until = std::chrono::steady_clock::now() + limit;
-  while (!done()) {
-    if (std::chrono::steady_clock::now() > until) return false;
-    io.run_one_for(100ms);
-  }
-  return true;
-}
+using kvlink_test::fill_pattern;
+using kvlink_test::is_pattern;
+using kvlink_test::run_until;
 
 std::system_error sys_error(const char* what) { return {errno, std::generic_category(), what}; }
 

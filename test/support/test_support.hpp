@@ -1,0 +1,64 @@
+// Helpers shared by the engine tests and the kvlink_test_peer helper process.
+#pragma once
+
+#include <chrono>
+#include <cstddef>
+#include <cstdint>
+
+#include <asio/io_context.hpp>
+
+namespace kvlink_test {
+
+using namespace std::chrono_literals;
+
+inline std::uint64_t mix(std::uint64_t z) noexcept {
+  z += 0x9e3779b97f4a7c15ULL;
+  z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ULL;
+  z = (z ^ (z >> 27)) * 0x94d049bb133111ebULL;
+  return z ^ (z >> 31);
+}
+
+// The test pattern of `seed`: byte `pos` is a function of (seed, pos) alone,
+// so either side can lay out or check the bytes any range should hold.
+inline std::byte pattern_byte(std::uint64_t key, std::uint64_t pos) noexcept {
+  return static_cast<std::byte>(mix(key ^ (pos / 8)) >> (8 * (pos % 8)));
+}
+
+// Writes the pattern of `seed` for positions [origin, origin + len) to dst.
+inline void fill_pattern(std::byte* dst, std::uint64_t len, std::uint64_t seed,
+                         std::uint64_t origin) {
+  const std::uint64_t key = mix(seed);
+  std::uint64_t w = mix(key ^ (origin / 8));
+  for (std::uint64_t i = 0; i < len; ++i) {
+    const std::uint64_t pos = origin + i;
+    if (pos % 8 == 0) w = mix(key ^ (pos / 8));
+    dst[i] = static_cast<std::byte>(w >> (8 * (pos % 8)));
+  }
+}
+
+// True if src[0, len) is the pattern of `seed` at positions origin...
+inline bool is_pattern(const std::byte* src, std::uint64_t len, std::uint64_t seed,
+                       std::uint64_t origin) {
+  const std::uint64_t key = mix(seed);
+  std::uint64_t w = mix(key ^ (origin / 8));
+  for (std::uint64_t i = 0; i < len; ++i) {
+    const std::uint64_t pos = origin + i;
+    if (pos % 8 == 0) w = mix(key ^ (pos / 8));
+    if (src[i] != static_cast<std::byte>(w >> (8 * (pos % 8)))) return false;
+  }
+  return true;
+}
+
+// Runs the io_context until `done` or the (generous) limit: a hang fails the
+// test instead of blocking the suite.
+template <class Pred>
+bool run_until(asio::io_context& io, Pred done, std::chrono::seconds limit = 120s) {
+  const auto until = std::chrono::steady_clock::now() + limit;
+  while (!done()) {
+    if (std::chrono::steady_clock::now() > until) return false;
+    io.run_one_for(100ms);
+  }
+  return true;
+}
+
+}  // namespace kvlink_test
