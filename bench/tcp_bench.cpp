@@ -34,6 +34,7 @@
 #include <system_error>
 #include <vector>
 
+#include "bench_common.hpp"
 #include <asio/io_context.hpp>
 #include <asio/posix/stream_descriptor.hpp>
 #include <asio/signal_set.hpp>
@@ -44,8 +45,13 @@
 
 namespace {
 
-using clock_type = std::chrono::steady_clock;
 using namespace std::chrono_literals;
+using kvlink::bench::case_result;
+using kvlink::bench::case_runner;
+using kvlink::bench::child_process;
+using kvlink::bench::make_buffer;
+using kvlink::bench::op_name;
+using kvlink::bench::split_list;
 
 constexpr std::string_view usage_text = R"(usage: kvlink_tcp_bench [options]
   --role both|target|initiator  both (default): start the target as a child process
@@ -90,17 +96,6 @@ struct options {
   kvlink::config cfg;
   std::vector<std::string> passthrough;  // settings handed on to the child target
 };
-
-std::vector<std::string_view> split_list(std::string_view s) {
-  std::vector<std::string_view> out;
-  while (!s.empty()) {
-    const auto comma = s.find(',');
-    out.push_back(s.substr(0, comma));
-    if (comma == std::string_view::npos) break;
-    s.remove_prefix(comma + 1);
-  }
-  return out;
-}
 
 std::uint64_t parse_count(std::string_view name, std::string_view v) {
   std::uint64_t n = 0;
@@ -229,14 +224,6 @@ options parse_options(int argc, char** argv) {
   return o;
 }
 
-// Touches every page up front, so that page faults do not land in the
-// measurement.
-std::vector<std::byte> make_buffer(std::uint64_t size) {
-  std::vector<std::byte> b(static_cast<std::size_t>(size));
-  for (std::size_t i = 0; i < b.size(); i += 4096) b[i] = std::byte{0x5a};
-  return b;
-}
-
 // ------------------------------------------------------------------ target
 
 int run_target(const options& o) {
@@ -271,179 +258,7 @@ int run_target(const options& o) {
   return 0;
 }
 
-// ------------------------------------------------------------------ child
-
-struct child_process {
-  pid_t pid = -1;
-  int to_child = -1;  // its stdin; closing it stops the target
-  std::string address;
-
-  ~child_process() {
-    if (to_child >= 0) ::close(to_child);
-    if (pid > 0) {
-      int status = 0;
-      ::waitpid(pid, &status, 0);
-    }
-  }
-};
-
-// Starts `argv[0] --role target ...` with pipes on its stdin and stdout and
-// reads the "LISTEN host:port" line it prints once it is ready.
-void spawn_target(const options& o, child_process& c) {
-  int in_pipe[2];
-  int out_pipe[2];
-  if (::pipe(in_pipe) != 0 || ::pipe(out_pipe) != 0) {
-    throw std::system_error(errno, std::generic_category(), "pipe");
-  }
-  std::vector<std::string> args{"/proc/self/exe", "--role", "target",
-                                "--listen",       o.listen, "--watch-stdin"};
-  args.insert(args.end(), o.passthrough.begin(), o.passthrough.end());
-  const pid_t pid = ::fork();
-  if (pid < 0) throw std::system_error(errno, std::generic_category(), "fork");
-  if (pid == 0) {
-    ::dup2(in_pipe[0], STDIN_FILENO);
-    ::dup2(out_pipe[1], STDOUT_FILENO);
-    ::close(in_pipe[0]);
-    ::close(in_pipe[1]);
-    ::close(out_pipe[0]);
-    ::close(out_pipe[1]);
-    std::vector<char*> cargv;
-    for (auto& s : args) cargv.push_back(s.data());
-    cargv.push_back(nullptr);
-    ::execv(cargv[0], cargv.data());
-    std::perror("kvlink_tcp_bench: execv");
-    ::_exit(127);
-  }
-  ::close(in_pipe[0]);
-  ::close(out_pipe[1]);
-  c.pid = pid;
-  c.to_child = in_pipe[1];
-  std::string line;
-  char ch = 0;
-  while (true) {
-    const auto n = ::read(out_pipe[0], &ch, 1);
-    if (n < 0 && errno == EINTR) continue;
-    if (n <= 0 || ch == '\n') break;
-    line.push_back(ch);
-  }
-  ::close(out_pipe[0]);
-  constexpr std::string_view prefix = "LISTEN ";
-  if (line.rfind(prefix, 0) != 0) {
-    throw std::runtime_error("kvlink_tcp_bench: the target did not report its address (got '" +
-                             line + "')");
-  }
-  c.address = line.substr(prefix.size());
-}
-
 // ------------------------------------------------------------------ initiator
-
-struct case_result {
-  kvlink::opcode op = kvlink::opcode::write;
-  std::uint64_t block = 0;
-  std::uint64_t batch = 0;
-  std::uint64_t depth = 0;
-  std::uint64_t bytes = 0;
-  std::uint64_t batches = 0;
-  double seconds = 0;
-  double mean_latency_us = 0;  // per batch, from transfer_result.duration
-  std::error_code error;
-
-  double gb_per_s() const { return seconds > 0 ? static_cast<double>(bytes) / seconds / 1e9 : 0; }
-  double gib_per_s() const {
-    return seconds > 0 ? static_cast<double>(bytes) / seconds / 1073741824.0 : 0;
-  }
-};
-
-// Runs one case: keeps `depth` batches in flight; see the file comment for
-// what is measured. Runs io until the case is done.
-class case_runner {
- public:
-  case_runner(asio::io_context& io, kvlink::tcp_engine& eng, const kvlink::peer& p,
-              std::byte* local, std::uint64_t local_size, std::uint64_t remote_size,
-              const options& o, case_result& r)
-      : io_(io), eng_(eng), r_(r), warmup_(o.warmup), seconds_(o.seconds) {
-    // Slots for blocks: local blocks are contiguous, remote blocks too or
-    // 4 KiB apart (no coalescing). Requests take slots round robin, so a batch
-    // has distinct offsets unless it is larger than the segment.
-    const std::uint64_t remote_stride = r.block + (o.scattered ? 4096 : 0);
-    const std::uint64_t slots = std::max<std::uint64_t>(
-        1, std::min(local_size / r.block,
-                    remote_size >= r.block ? (remote_size - r.block) / remote_stride + 1 : 1));
-    batches_.resize(r.depth);
-    const kvlink::remote_segment seg = p.segment(0);
-    std::uint64_t slot = 0;
-    for (auto& b : batches_) {
-      for (std::uint64_t i = 0; i < r.batch; ++i) {
-        b.push_back(kvlink::transfer_request{r.op, local + slot * r.block, seg,
-                                             slot * remote_stride, r.block});
-        slot = (slot + 1) % slots;
-      }
-    }
-  }
-
-  void run() {
-    start_ = clock_type::now();
-    for (std::size_t i = 0; i < batches_.size(); ++i) submit(i);
-    while (outstanding_ > 0) io_.run_one();
-  }
-
- private:
-  void submit(std::size_t i) {
-    ++outstanding_;
-    eng_.async_submit_transfer(
-        batches_[i],
-        [this, i](std::error_code ec, kvlink::transfer_result res) { on_done(i, ec, res); });
-  }
-
-  void on_done(std::size_t i, std::error_code ec, const kvlink::transfer_result& res) {
-    --outstanding_;
-    const auto now = clock_type::now();
-    if (ec) {
-      if (!r_.error) r_.error = ec;
-      phase_ = phase::draining;
-    }
-    switch (phase_) {
-      case phase::warmup:
-        if (now - start_ >= warmup_) {
-          phase_ = phase::measuring;
-          t0_ = now;
-        }
-        break;
-      case phase::measuring:
-        r_.bytes += res.bytes;
-        ++r_.batches;
-        latency_ns_ += static_cast<double>(res.duration.count());
-        if (now - t0_ >= seconds_) {
-          r_.seconds = std::chrono::duration<double>(now - t0_).count();
-          phase_ = phase::draining;
-        }
-        break;
-      case phase::draining:
-        break;
-    }
-    if (phase_ != phase::draining) submit(i);
-    if (phase_ == phase::draining && r_.batches > 0) {
-      r_.mean_latency_us = latency_ns_ / static_cast<double>(r_.batches) / 1e3;
-    }
-  }
-
-  enum class phase { warmup, measuring, draining };
-  asio::io_context& io_;
-  kvlink::tcp_engine& eng_;
-  case_result& r_;
-  std::chrono::duration<double> warmup_;
-  std::chrono::duration<double> seconds_;
-  std::vector<std::vector<kvlink::transfer_request>> batches_;
-  std::size_t outstanding_ = 0;
-  phase phase_ = phase::warmup;
-  clock_type::time_point start_;
-  clock_type::time_point t0_;
-  double latency_ns_ = 0;
-};
-
-std::string_view op_name(kvlink::opcode op) {
-  return op == kvlink::opcode::write ? "write" : "read";
-}
 
 void print_table(const options& o, const std::vector<case_result>& rows) {
   fmt::print(
@@ -514,7 +329,10 @@ int run_initiator(const options& o, const std::string& address) {
         fmt::print(stderr, "  {:<5} {:>8} x {:<3} depth {} ...", op_name(op),
                    kvlink::format_size(block), batch, o.depth);
         std::fflush(stderr);
-        case_runner runner{io, eng, peer, mem.data(), mem.size(), remote_size, o, r};
+        const kvlink::bench::case_timing timing{std::chrono::duration<double>(o.warmup),
+                                                std::chrono::duration<double>(o.seconds),
+                                                o.scattered};
+        case_runner runner{io, eng, peer, mem.data(), mem.size(), remote_size, timing, r};
         runner.run();
         if (r.error) {
           fmt::print(stderr, " error: {}\n", r.error.message());
@@ -542,7 +360,9 @@ int main(int argc, char** argv) {
     if (o.role == "target") return run_target(o);
     if (o.role == "initiator") return run_initiator(o, o.connect);
     child_process child;
-    spawn_target(o, child);
+    std::vector<std::string> args{"--role", "target", "--listen", o.listen, "--watch-stdin"};
+    args.insert(args.end(), o.passthrough.begin(), o.passthrough.end());
+    kvlink::bench::spawn_target(args, child);
     return run_initiator(o, child.address);
   } catch (const std::exception& e) {
     fmt::print(stderr, "kvlink_tcp_bench: {}\n", e.what());

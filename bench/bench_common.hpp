@@ -1,0 +1,337 @@
+// Pieces shared by kvlink's two-process benches (kvlink_tcp_bench,
+// kvlink-bench): touched buffers, a target child process that reports its
+// address, the steady-state bandwidth runner of one (op, block, batch) case,
+// and an iperf3 loopback reference.
+//
+// Not part of the library: set-up failures throw std::system_error /
+// std::runtime_error with context; the data path reports std::error_code.
+#pragma once
+
+#include <kvlink/engine.hpp>
+
+#include <algorithm>
+#include <cerrno>
+#include <chrono>
+#include <csignal>
+#include <cstddef>
+#include <cstdint>
+#include <cstdio>
+#include <optional>
+#include <string>
+#include <string_view>
+#include <system_error>
+#include <vector>
+
+#include <asio/io_context.hpp>
+#include <nlohmann/json.hpp>
+#include <sys/wait.h>
+#include <unistd.h>
+
+namespace kvlink::bench {
+
+using clock_type = std::chrono::steady_clock;
+
+inline std::vector<std::string_view> split_list(std::string_view s) {
+  std::vector<std::string_view> out;
+  while (!s.empty()) {
+    const auto comma = s.find(',');
+    out.push_back(s.substr(0, comma));
+    if (comma == std::string_view::npos) break;
+    s.remove_prefix(comma + 1);
+  }
+  return out;
+}
+
+inline std::string_view op_name(opcode op) { return op == opcode::write ? "write" : "read"; }
+
+/// A zero-filled buffer whose every page has been written, so that page
+/// faults do not land in a measurement.
+inline std::vector<std::byte> make_buffer(std::uint64_t size) {
+  std::vector<std::byte> b(static_cast<std::size_t>(size));
+  for (std::size_t i = 0; i < b.size(); i += 4096) b[i] = std::byte{0x5a};
+  return b;
+}
+
+// ------------------------------------------------------------------ child
+
+/// A child process started by spawn_target(). Destruction closes its stdin
+/// (a target started with --watch-stdin stops then) and reaps it.
+struct child_process {
+  pid_t pid = -1;
+  int to_child = -1;
+  std::string address;
+
+  child_process() = default;
+  child_process(const child_process&) = delete;
+  child_process& operator=(const child_process&) = delete;
+  ~child_process() {
+    if (to_child >= 0) ::close(to_child);
+    if (pid > 0) {
+      int status = 0;
+      ::waitpid(pid, &status, 0);
+    }
+  }
+};
+
+/// Starts /proc/self/exe with `args` (not counting argv[0]) and pipes on its
+/// stdin and stdout, and reads the "LISTEN host:port" line the child prints
+/// once it serves. Throws when the child exits or prints something else.
+inline void spawn_target(const std::vector<std::string>& args, child_process& c) {
+  int in_pipe[2];
+  int out_pipe[2];
+  if (::pipe(in_pipe) != 0) throw std::system_error(errno, std::generic_category(), "pipe");
+  if (::pipe(out_pipe) != 0) {
+    const int e = errno;
+    ::close(in_pipe[0]);
+    ::close(in_pipe[1]);
+    throw std::system_error(e, std::generic_category(), "pipe");
+  }
+  std::vector<std::string> argv_strings{"/proc/self/exe"};
+  argv_strings.insert(argv_strings.end(), args.begin(), args.end());
+  std::vector<char*> cargv;
+  for (auto& s : argv_strings) cargv.push_back(s.data());
+  cargv.push_back(nullptr);
+  const pid_t pid = ::fork();
+  if (pid < 0) throw std::system_error(errno, std::generic_category(), "fork");
+  if (pid == 0) {
+    ::dup2(in_pipe[0], STDIN_FILENO);
+    ::dup2(out_pipe[1], STDOUT_FILENO);
+    ::close(in_pipe[0]);
+    ::close(in_pipe[1]);
+    ::close(out_pipe[0]);
+    ::close(out_pipe[1]);
+    ::execv(cargv[0], cargv.data());
+    std::perror("execv(/proc/self/exe)");
+    ::_exit(127);
+  }
+  ::close(in_pipe[0]);
+  ::close(out_pipe[1]);
+  c.pid = pid;
+  c.to_child = in_pipe[1];
+  std::string line;
+  char ch = 0;
+  while (true) {
+    const auto n = ::read(out_pipe[0], &ch, 1);
+    if (n < 0 && errno == EINTR) continue;
+    if (n <= 0 || ch == '\n') break;
+    line.push_back(ch);
+  }
+  ::close(out_pipe[0]);
+  constexpr std::string_view prefix = "LISTEN ";
+  if (line.rfind(prefix, 0) != 0) {
+    throw std::runtime_error("the target child did not report its address (got '" + line +
+                             "'; see its messages above)");
+  }
+  c.address = line.substr(prefix.size());
+}
+
+// ------------------------------------------------------------------ case runner
+
+/// One (op, block size, batch) case of a steady-state bandwidth run.
+struct case_result {
+  opcode op = opcode::write;
+  std::uint64_t block = 0;
+  std::uint64_t batch = 0;
+  std::uint64_t depth = 0;
+  std::uint32_t lanes = 0;
+  std::uint64_t bytes = 0;
+  std::uint64_t batches = 0;
+  double seconds = 0;
+  double mean_latency_us = 0;  // per batch, from transfer_result.duration
+  std::error_code error;
+
+  double gb_per_s() const { return seconds > 0 ? static_cast<double>(bytes) / seconds / 1e9 : 0; }
+  double gib_per_s() const {
+    return seconds > 0 ? static_cast<double>(bytes) / seconds / 1073741824.0 : 0;
+  }
+};
+
+struct case_timing {
+  std::chrono::duration<double> warmup{0.1};
+  std::chrono::duration<double> seconds{0.5};
+  /// Remote blocks 4 KiB apart, so that the planner cannot coalesce them.
+  bool scattered = true;
+};
+
+/// Keeps r.depth batches of r.batch requests of r.block bytes in flight, first
+/// for the warm-up, then for the measured time. The figure is steady state:
+/// payload bytes of the batches that completed after the warm-up's last
+/// completion, up to and including the first completion after `seconds`,
+/// divided by the time between those two completions. Requests take block
+/// slots round robin, so a batch has distinct offsets unless it is larger than
+/// the segment. run() drives `io` until the case is done.
+class case_runner {
+ public:
+  case_runner(asio::io_context& io, tcp_engine& eng, const peer& p, std::byte* local,
+              std::uint64_t local_size, std::uint64_t remote_size, const case_timing& t,
+              case_result& r)
+      : io_(io), eng_(eng), r_(r), warmup_(t.warmup), seconds_(t.seconds) {
+    const std::uint64_t remote_stride = r.block + (t.scattered ? 4096 : 0);
+    const std::uint64_t slots = std::max<std::uint64_t>(
+        1, std::min(local_size / r.block,
+                    remote_size >= r.block ? (remote_size - r.block) / remote_stride + 1 : 1));
+    batches_.resize(r.depth);
+    const remote_segment seg = p.segment(0);
+    std::uint64_t slot = 0;
+    for (auto& b : batches_) {
+      for (std::uint64_t i = 0; i < r.batch; ++i) {
+        b.push_back(
+            transfer_request{r.op, local + slot * r.block, seg, slot * remote_stride, r.block});
+        slot = (slot + 1) % slots;
+      }
+    }
+  }
+
+  void run() {
+    start_ = clock_type::now();
+    for (std::size_t i = 0; i < batches_.size(); ++i) submit(i);
+    while (outstanding_ > 0) io_.run_one();
+  }
+
+ private:
+  void submit(std::size_t i) {
+    ++outstanding_;
+    eng_.async_submit_transfer(
+        batches_[i], [this, i](std::error_code ec, transfer_result res) { on_done(i, ec, res); });
+  }
+
+  void on_done(std::size_t i, std::error_code ec, const transfer_result& res) {
+    --outstanding_;
+    const auto now = clock_type::now();
+    if (ec) {
+      if (!r_.error) r_.error = ec;
+      phase_ = phase::draining;
+    }
+    switch (phase_) {
+      case phase::warmup:
+        if (now - start_ >= warmup_) {
+          phase_ = phase::measuring;
+          t0_ = now;
+        }
+        break;
+      case phase::measuring:
+        r_.bytes += res.bytes;
+        ++r_.batches;
+        latency_ns_ += static_cast<double>(res.duration.count());
+        if (now - t0_ >= seconds_) {
+          r_.seconds = std::chrono::duration<double>(now - t0_).count();
+          phase_ = phase::draining;
+        }
+        break;
+      case phase::draining:
+        break;
+    }
+    if (phase_ != phase::draining) submit(i);
+    if (phase_ == phase::draining && r_.batches > 0) {
+      r_.mean_latency_us = latency_ns_ / static_cast<double>(r_.batches) / 1e3;
+    }
+  }
+
+  enum class phase { warmup, measuring, draining };
+  asio::io_context& io_;
+  tcp_engine& eng_;
+  case_result& r_;
+  std::chrono::duration<double> warmup_;
+  std::chrono::duration<double> seconds_;
+  std::vector<std::vector<transfer_request>> batches_;
+  std::size_t outstanding_ = 0;
+  phase phase_ = phase::warmup;
+  clock_type::time_point start_;
+  clock_type::time_point t0_;
+  double latency_ns_ = 0;
+};
+
+// ------------------------------------------------------------------ iperf3
+
+/// Runs `argv` (argv[0] looked up on PATH) with stdout captured into `out`
+/// and stderr discarded; returns its exit status, or -1 when it could not run.
+inline int run_capture(const std::vector<std::string>& argv, std::string* out) {
+  int p[2];
+  if (::pipe(p) != 0) return -1;
+  std::vector<std::string> a = argv;
+  std::vector<char*> cargv;
+  for (auto& s : a) cargv.push_back(s.data());
+  cargv.push_back(nullptr);
+  const pid_t pid = ::fork();
+  if (pid < 0) {
+    ::close(p[0]);
+    ::close(p[1]);
+    return -1;
+  }
+  if (pid == 0) {
+    ::dup2(p[1], STDOUT_FILENO);
+    if (FILE* null = std::fopen("/dev/null", "w")) ::dup2(::fileno(null), STDERR_FILENO);
+    ::close(p[0]);
+    ::close(p[1]);
+    ::execvp(cargv[0], cargv.data());
+    ::_exit(127);
+  }
+  ::close(p[1]);
+  char buf[4096];
+  while (true) {
+    const auto n = ::read(p[0], buf, sizeof buf);
+    if (n < 0 && errno == EINTR) continue;
+    if (n <= 0) break;
+    if (out) out->append(buf, static_cast<std::size_t>(n));
+  }
+  ::close(p[0]);
+  int status = 0;
+  while (::waitpid(pid, &status, 0) < 0 && errno == EINTR) {
+  }
+  return WIFEXITED(status) ? WEXITSTATUS(status) : -1;
+}
+
+/// An iperf3 loopback measurement: GB/s = 10^9 bytes/s.
+struct iperf3_result {
+  double sender_gb_per_s = 0;
+  double receiver_gb_per_s = 0;
+};
+
+/// Runs `iperf3 -s -1` and `iperf3 -c 127.0.0.1 -P streams -t seconds -J`
+/// on a free-looking port; nullopt with `why` set when iperf3 is missing or
+/// fails.
+inline std::optional<iperf3_result> iperf3_loopback(unsigned streams, unsigned seconds,
+                                                    std::string& why) {
+  std::string probe;
+  if (run_capture({"iperf3", "--version"}, &probe) != 0) {
+    why = "iperf3 not found on PATH (Debian: apt-get install iperf3)";
+    return std::nullopt;
+  }
+  const std::string port = std::to_string(15201 + (::getpid() % 1000));
+  const pid_t server = ::fork();
+  if (server < 0) {
+    why = "fork failed";
+    return std::nullopt;
+  }
+  if (server == 0) {
+    if (FILE* null = std::fopen("/dev/null", "w")) {
+      ::dup2(::fileno(null), STDOUT_FILENO);
+      ::dup2(::fileno(null), STDERR_FILENO);
+    }
+    ::execlp("iperf3", "iperf3", "-s", "-1", "-p", port.c_str(), static_cast<char*>(nullptr));
+    ::_exit(127);
+  }
+  ::usleep(300000);  // let the server listen
+  std::string json;
+  const int rc = run_capture({"iperf3", "-c", "127.0.0.1", "-p", port, "-P",
+                              std::to_string(streams), "-t", std::to_string(seconds), "-J"},
+                             &json);
+  if (rc != 0) ::kill(server, SIGTERM);
+  int status = 0;
+  ::waitpid(server, &status, 0);
+  const auto j = nlohmann::json::parse(json, nullptr, false);
+  if (rc != 0 || j.is_discarded() || !j.contains("end")) {
+    why = "iperf3 client failed (exit status " + std::to_string(rc) + ")";
+    return std::nullopt;
+  }
+  try {
+    const auto& end = j.at("end");
+    return iperf3_result{end.at("sum_sent").at("bits_per_second").get<double>() / 8e9,
+                         end.at("sum_received").at("bits_per_second").get<double>() / 8e9};
+  } catch (const nlohmann::json::exception& e) {
+    why = std::string{"unexpected iperf3 JSON: "} + e.what();
+    return std::nullopt;
+  }
+}
+
+}  // namespace kvlink::bench

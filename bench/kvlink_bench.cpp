@@ -1,0 +1,865 @@
+// kvlink-bench: how long moving one prompt's paged KV cache takes, per prompt
+// length, between two processes (the Mooncake + vLLM table), plus a
+// block-size sweep and a target role for two machines.
+//
+//   kvlink-bench                      # = kvlink-bench kv: Qwen3-8B, TCP, loopback
+//   kvlink-bench kv --prompts 1K,32K --op read --blocks scattered --csv
+//   kvlink-bench sweep --sizes 64KiB,1MiB --batches 1,16 --lanes 1,2,4
+//   kvlink-bench target --listen 0.0.0.0:17001          # on host A
+//   kvlink-bench kv --connect hostA:17001 --line-rate 12.5   # on host B
+//
+// kv: for every prompt length, the prompt plus --pad template tokens is
+// rounded up to whole blocks of --block-tokens; the blocks of every layer's K
+// and V go through kv_layout -> make_block_transfer -> one
+// async_submit_transfer with a notification attached, so a run ends once the
+// data is placed at the target and the notification handed to the kernel
+// after it. The figure is the median of --iterations runs (after --warmup
+// untimed runs), with min..max as the spread. Without --connect the target is
+// this program re-executed as `target` in a child process on loopback; both
+// sides hold a KV cache sized to the largest prompt, touched before timing.
+//
+// Units: GB = 10^9 B, GiB = 2^30 B, MB = 10^6 B, MiB = 2^20 B.
+#include <kvlink/engine.hpp>
+#include <kvlink/kv/block_transfer.hpp>
+#include <kvlink/kv/layout.hpp>
+
+#include <algorithm>
+#include <array>
+#include <charconv>
+#include <chrono>
+#include <csignal>
+#include <cstdio>
+#include <cstdlib>
+#include <functional>
+#include <limits>
+#include <numeric>
+#include <optional>
+#include <stdexcept>
+#include <string>
+#include <string_view>
+#include <system_error>
+#include <vector>
+
+#include "bench_common.hpp"
+#include <CLI/CLI.hpp>
+#include <asio/io_context.hpp>
+#include <asio/posix/stream_descriptor.hpp>
+#include <asio/signal_set.hpp>
+#include <fmt/format.h>
+#include <nlohmann/json.hpp>
+
+namespace {
+
+using namespace std::chrono_literals;
+namespace kb = kvlink::bench;
+
+// A bad option value: main() prints it and exits with status 2.
+struct usage_error : std::runtime_error {
+  using std::runtime_error::runtime_error;
+};
+
+// ------------------------------------------------------------------ options
+
+struct layout_options {
+  std::string model = "qwen3-8b";
+  std::uint32_t layers = 0;  // 0: from the preset
+  std::uint32_t kv_heads = 0;
+  std::uint32_t head_dim = 0;
+  std::string dtype;  // empty: from the preset
+  std::uint32_t tp = 1;
+  std::uint32_t block_tokens = 16;
+  std::uint32_t pad = 16;
+  std::string prompts = "128,256,512,1K,2K,4K,8K,16K,32K";
+};
+
+struct engine_options {
+  std::string transport = "tcp";
+  std::uint32_t lanes = 0;  // 0: config default / environment
+  std::string slice_size;
+  std::uint32_t max_inflight = 0;
+  std::string socket_buffer;
+};
+
+struct kv_options {
+  layout_options layout;
+  engine_options engine;
+  std::string connect;
+  std::uint32_t iterations = 3;
+  std::uint32_t warmup = 1;
+  std::string op = "write";
+  std::string blocks = "contiguous";
+  std::string line_rate = "measure";
+  std::uint32_t line_rate_seconds = 3;
+  bool csv = false;
+  bool json = false;
+};
+
+struct sweep_options {
+  engine_options engine;
+  std::string connect;
+  std::string sizes = "4KiB,64KiB,1MiB,16MiB";
+  std::string batches = "1,16,64";
+  std::string lanes_list = "1,2,4";
+  std::string ops = "write,read";
+  std::uint32_t depth = 4;
+  double seconds = 0.5;
+  double warmup = 0.1;
+  std::string segment_size = "1GiB";
+  std::string block_layout = "scattered";
+  bool csv = false;
+  bool json = false;
+};
+
+struct target_options {
+  layout_options layout;
+  engine_options engine;
+  std::string listen = "127.0.0.1:0";
+  std::string segment_size;  // empty: sized for the layout's largest prompt
+  bool watch_stdin = false;
+};
+
+void check_transport(const engine_options& e) {
+  if (e.transport == "rdma") {
+    throw usage_error(
+        "--transport rdma: kvlink's engine has no RDMA transport yet (only the verbs groundwork "
+        "in include/kvlink/rdma/ exists); use --transport tcp");
+  }
+  if (e.transport != "tcp") throw usage_error("--transport: tcp or rdma");
+}
+
+std::uint64_t parse_bytes(std::string_view name, std::string_view v) {
+  const auto n = kvlink::parse_size(v);
+  if (!n || *n == 0) {
+    throw usage_error(fmt::format("{}: '{}' is not a positive size ({})", name, v,
+                                  kvlink::detail::size_units_help));
+  }
+  return *n;
+}
+
+std::uint64_t parse_count(std::string_view name, std::string_view v) {
+  std::uint64_t n = 0;
+  const auto r = std::from_chars(v.data(), v.data() + v.size(), n);
+  if (r.ec != std::errc{} || r.ptr != v.data() + v.size() || n == 0) {
+    throw usage_error(fmt::format("{}: '{}' is not a positive integer", name, v));
+  }
+  return n;
+}
+
+// Token counts: "4096", "4K" or "4k" (K = 1024 tokens, as in the Mooncake table).
+std::vector<std::uint32_t> parse_prompts(std::string_view v) {
+  std::vector<std::uint32_t> out;
+  for (auto s : kb::split_list(v)) {
+    std::uint64_t mult = 1;
+    if (!s.empty() && (s.back() == 'K' || s.back() == 'k')) {
+      mult = 1024;
+      s.remove_suffix(1);
+    }
+    const std::uint64_t n = parse_count("--prompts", s) * mult;
+    if (n > (1u << 24)) throw usage_error(fmt::format("--prompts: {} tokens is too many", n));
+    out.push_back(static_cast<std::uint32_t>(n));
+  }
+  if (out.empty()) throw usage_error("--prompts: empty list");
+  return out;
+}
+
+kvlink::config make_config(const engine_options& e) {
+  std::error_code ec;
+  std::string what;
+  kvlink::config cfg = kvlink::config_from_env(kvlink::config{}, ec, &what);
+  if (ec) throw usage_error(what);
+  if (e.lanes != 0) cfg.tcp_lanes = e.lanes;
+  if (!e.slice_size.empty()) cfg.slice_size = parse_bytes("--slice-size", e.slice_size);
+  if (e.max_inflight != 0) cfg.max_inflight_per_lane = e.max_inflight;
+  if (!e.socket_buffer.empty()) {
+    const auto n = kvlink::parse_size(e.socket_buffer);
+    if (!n) throw usage_error("--socket-buffer: not a size");
+    cfg.socket_buffer = *n;
+  }
+  // Keep the planner's rules when only the slice size was given; both sides
+  // get the same options, so the target accepts what we send.
+  cfg.min_chunk = std::min(cfg.min_chunk, cfg.slice_size);
+  cfg.max_frame_payload = std::max(cfg.max_frame_payload, cfg.slice_size + cfg.min_chunk);
+  cfg.transfer_deadline = 0ms;  // a 4.5 GiB transfer on a slow box must not time out
+  if (auto bad = kvlink::validate(cfg, &what)) throw usage_error("invalid settings: " + what);
+  return cfg;
+}
+
+// Options the child target needs to accept what the initiator sends.
+std::vector<std::string> engine_args(const engine_options& e) {
+  std::vector<std::string> a;
+  if (!e.slice_size.empty()) a.insert(a.end(), {"--slice-size", e.slice_size});
+  if (!e.socket_buffer.empty()) a.insert(a.end(), {"--socket-buffer", e.socket_buffer});
+  return a;
+}
+
+void add_engine_options(CLI::App* app, engine_options& e, bool lanes) {
+  app->add_option("--transport", e.transport, "tcp (rdma: not implemented yet)")
+      ->capture_default_str();
+  if (lanes) app->add_option("--lanes", e.lanes, "TCP connections per peer (default: config, 2)");
+  app->add_option("--slice-size", e.slice_size, "planner slice size (default 1MiB)");
+  app->add_option("--max-inflight", e.max_inflight, "slices in flight per lane (default 32)");
+  app->add_option("--socket-buffer", e.socket_buffer, "SO_SNDBUF/SO_RCVBUF, 0 = kernel default");
+}
+
+void add_layout_options(CLI::App* app, layout_options& l) {
+  app->add_option("--model", l.model, "model preset (qwen3-8b, qwen3-32b, llama-3.1-8b, ...)")
+      ->capture_default_str();
+  app->add_option("--layers", l.layers, "explicit layout: layers (overrides the preset)");
+  app->add_option("--kv-heads", l.kv_heads, "explicit layout: KV heads of the whole model");
+  app->add_option("--head-dim", l.head_dim, "explicit layout: elements per head");
+  app->add_option("--dtype", l.dtype, "explicit layout: f32, f16, bf16, fp8");
+  app->add_option("--tp", l.tp, "tensor-parallel size of both sides; rank 0 is measured")
+      ->capture_default_str();
+  app->add_option("--block-tokens", l.block_tokens, "tokens per KV block")->capture_default_str();
+  app->add_option("--pad", l.pad,
+                  "template tokens added to each prompt before rounding up to whole blocks")
+      ->capture_default_str();
+  app->add_option("--prompts", l.prompts, "prompt lengths in tokens (K = 1024)")
+      ->capture_default_str();
+}
+
+struct model_shape {
+  std::string label;
+  kvlink::kv_layout layout;  // num_blocks left 0
+};
+
+model_shape make_shape(const layout_options& o) {
+  kvlink::kv_layout l;
+  std::string label;
+  if (const auto p = kvlink::find_model_preset(o.model)) {
+    l = p->layout(1, o.block_tokens);
+    label = std::string{p->model_id};
+  } else if (o.layers == 0 || o.kv_heads == 0 || o.head_dim == 0) {
+    std::string known;
+    for (const auto& m : kvlink::model_presets())
+      known += std::string{known.empty() ? "" : ", "} + std::string{m.name};
+    throw usage_error(fmt::format(
+        "--model: unknown preset '{}' (known: {}); or give --layers --kv-heads --head-dim", o.model,
+        known));
+  }
+  if (o.layers || o.kv_heads || o.head_dim || !o.dtype.empty()) label = "explicit layout";
+  if (o.layers) l.num_layers = o.layers;
+  if (o.kv_heads) l.num_kv_heads = o.kv_heads;
+  if (o.head_dim) l.head_dim = o.head_dim;
+  if (!o.dtype.empty()) {
+    constexpr std::array types{kvlink::dtype::f32, kvlink::dtype::f16, kvlink::dtype::bf16,
+                               kvlink::dtype::fp8};
+    const auto it = std::find_if(types.begin(), types.end(),
+                                 [&](kvlink::dtype t) { return kvlink::to_string(t) == o.dtype; });
+    if (it == types.end()) throw usage_error("--dtype: f32, f16, bf16 or fp8");
+    l.type = *it;
+  }
+  l.block_tokens = o.block_tokens;
+  l.tp_size = o.tp;
+  l.tp_rank = 0;
+  l.num_blocks = 1;
+  if (std::string why; l.validate(&why)) throw usage_error(why);
+  l.num_blocks = 0;
+  return {label, l};
+}
+
+std::uint32_t padded_tokens(const kvlink::kv_layout& l, std::uint32_t prompt, std::uint32_t pad) {
+  const std::uint64_t t = std::uint64_t{prompt} + pad;
+  return static_cast<std::uint32_t>((t + l.block_tokens - 1) / l.block_tokens * l.block_tokens);
+}
+
+// Bytes of one block index across all layers, K and V, on one rank.
+std::uint64_t bytes_per_block_index(const kvlink::kv_layout& l) {
+  return 2 * std::uint64_t{l.num_layers} * l.block_bytes();
+}
+
+// ------------------------------------------------------------------ target
+
+int run_target(const target_options& o) {
+  check_transport(o.engine);
+  kvlink::config cfg = make_config(o.engine);
+  cfg.listen = o.listen;
+  std::uint64_t size = 0;
+  if (!o.segment_size.empty()) {
+    size = parse_bytes("--segment-size", o.segment_size);
+  } else {
+    const auto shape = make_shape(o.layout);
+    std::uint32_t max_tokens = 0;
+    for (auto p : parse_prompts(o.layout.prompts))
+      max_tokens = std::max(max_tokens, padded_tokens(shape.layout, p, o.layout.pad));
+    // + 1 spare block per tensor, as the initiator's cache (see run_kv).
+    size = (std::uint64_t{max_tokens / shape.layout.block_tokens} + 1) *
+           bytes_per_block_index(shape.layout);
+  }
+  fmt::print(stderr, "target: allocating and touching {} ...\n", kvlink::format_size(size));
+  auto mem = kb::make_buffer(size);
+  asio::io_context io;
+  kvlink::tcp_engine eng{io.get_executor(), cfg};
+  eng.register_segment(mem.data(), mem.size(), kvlink::access::remote_read_write);
+  fmt::print("LISTEN {}\n", eng.local_address());
+  std::fflush(stdout);
+  fmt::print(stderr, "target: listening on {}, segment {}\n", eng.local_address(),
+             kvlink::format_size(size));
+
+  std::uint64_t notes = 0;
+  std::function<void()> receive = [&] {
+    eng.async_receive_notification([&](std::error_code ec, kvlink::notification) {
+      if (ec) return;
+      ++notes;
+      receive();
+    });
+  };
+  receive();
+  asio::signal_set signals{io, SIGINT, SIGTERM};
+  signals.async_wait([&io](std::error_code, int) { io.stop(); });
+  std::optional<asio::posix::stream_descriptor> in;
+  std::array<char, 256> sink{};
+  std::function<void()> watch = [&] {
+    in->async_read_some(asio::buffer(sink), [&](std::error_code ec, std::size_t) {
+      if (ec) {
+        io.stop();  // EOF: the initiator is done (or gone)
+      } else {
+        watch();
+      }
+    });
+  };
+  if (o.watch_stdin) {
+    in.emplace(io, ::dup(STDIN_FILENO));
+    watch();
+  }
+  io.run();
+  fmt::print(stderr, "target: done, {} notifications received\n", notes);
+  return 0;
+}
+
+// ------------------------------------------------------------------ initiator helpers
+
+// Runs io until `done` holds.
+template <class Pred>
+void run_until(asio::io_context& io, Pred done) {
+  while (!done()) io.run_one();
+}
+
+kvlink::peer connect_peer(asio::io_context& io, kvlink::tcp_engine& eng,
+                          const std::string& address) {
+  std::optional<std::pair<std::error_code, kvlink::peer>> conn;
+  eng.async_connect(address, [&](std::error_code ec, kvlink::peer p) { conn.emplace(ec, p); });
+  run_until(io, [&] { return conn.has_value(); });
+  if (conn->first) {
+    throw std::runtime_error(fmt::format("connect({}): {}", address, conn->first.message()));
+  }
+  if (conn->second.segments().empty()) throw std::runtime_error("the target has no segment");
+  return conn->second;
+}
+
+// The remote target: a child process on loopback unless `connect` is given.
+struct target_handle {
+  kb::child_process child;
+  std::string address;
+  bool local = true;
+};
+
+void start_target(const std::string& connect, std::vector<std::string> args, target_handle& t) {
+  if (!connect.empty()) {
+    t.address = connect;
+    t.local = false;
+    return;
+  }
+  args.insert(args.begin(), {"target", "--listen", "127.0.0.1:0", "--watch-stdin"});
+  kb::spawn_target(args, t.child);
+  t.address = t.child.address;
+}
+
+// ------------------------------------------------------------------ kv
+
+struct kv_row {
+  std::uint32_t prompt = 0;
+  std::uint32_t padded = 0;
+  std::uint32_t blocks = 0;
+  std::uint64_t bytes = 0;
+  std::size_t requests = 0;
+  std::uint32_t slices = 0;
+  std::vector<double> ms;  // sorted
+  std::error_code error;
+
+  double median_ms() const {
+    if (ms.empty()) return 0;
+    const std::size_t n = ms.size();
+    return n % 2 ? ms[n / 2] : (ms[n / 2 - 1] + ms[n / 2]) / 2;
+  }
+  double gb_per_s() const {
+    const double m = median_ms();
+    return m > 0 ? static_cast<double>(bytes) / (m / 1e3) / 1e9 : 0;
+  }
+  double gib_per_s() const { return gb_per_s() * 1e9 / 1073741824.0; }
+};
+
+// Remote block ids for local blocks 0..n-1. Scattered: i -> i * s mod n with
+// s coprime to n and s != 1, so no two consecutive local blocks land on
+// consecutive remote blocks and nothing coalesces across blocks.
+std::vector<std::uint32_t> remote_ids(std::uint32_t n, bool scattered) {
+  std::vector<std::uint32_t> ids(n);
+  std::iota(ids.begin(), ids.end(), 0u);
+  if (!scattered || n < 2) return ids;
+  if (n == 2) return {1, 0};
+  std::uint32_t s = n / 2 + 1;
+  while (std::gcd(s, n) != 1) ++s;  // n - 1 is always coprime with n
+  for (std::uint32_t i = 0; i < n; ++i)
+    ids[i] = static_cast<std::uint32_t>(std::uint64_t{i} * s % n);
+  return ids;
+}
+
+struct line_rate_info {
+  double gb_per_s = 0;  // 0: unavailable
+  std::string source;
+};
+
+line_rate_info find_line_rate(const kv_options& o, bool local_target) {
+  if (o.line_rate != "measure") {
+    char* end = nullptr;
+    const double v = std::strtod(o.line_rate.c_str(), &end);
+    if (o.line_rate.empty() || end != o.line_rate.c_str() + o.line_rate.size() || !(v > 0)) {
+      throw usage_error("--line-rate: a rate in GB/s (10^9 B/s) or 'measure'");
+    }
+    return {v, "given with --line-rate"};
+  }
+  if (!local_target) {
+    return {0,
+            "unavailable: 'measure' runs iperf3 on loopback, which says nothing about a "
+            "remote target; pass --line-rate <GB/s>"};
+  }
+  fmt::print(stderr, "line rate: iperf3 -P 2 over loopback for {} s ...\n", o.line_rate_seconds);
+  std::string why;
+  const auto r = kb::iperf3_loopback(2, o.line_rate_seconds, why);
+  if (!r) return {0, "unavailable: " + why};
+  return {r->receiver_gb_per_s,
+          fmt::format("iperf3 -P 2 -t {} over loopback, receiver, measured in this run "
+                      "(sender {:.2f} GB/s)",
+                      o.line_rate_seconds, r->sender_gb_per_s)};
+}
+
+void print_kv(const kv_options& o, const model_shape& shape, const line_rate_info& rate,
+              const std::string& where, std::uint32_t lanes, const std::vector<kv_row>& rows) {
+  const auto& l = shape.layout;
+  const double line = rate.gb_per_s;
+  auto share = [&](const kv_row& r) { return line > 0 ? 100.0 * r.gb_per_s() / line : 0.0; };
+  if (o.json) {
+    nlohmann::json j;
+    j["model"] = shape.label;
+    j["layout"] = {{"layers", l.num_layers},
+                   {"kv_heads", l.num_kv_heads},
+                   {"head_dim", l.head_dim},
+                   {"dtype", std::string{kvlink::to_string(l.type)}},
+                   {"tp", l.tp_size},
+                   {"block_tokens", l.block_tokens},
+                   {"bytes_per_token_per_rank", l.bytes_per_token_per_rank()}};
+    j["transport"] = o.engine.transport;
+    j["lanes"] = lanes;
+    j["target"] = where;
+    j["op"] = o.op;
+    j["blocks"] = o.blocks;
+    j["pad_tokens"] = o.layout.pad;
+    j["iterations"] = o.iterations;
+    j["line_rate_gb_per_s"] = line > 0 ? nlohmann::json(line) : nlohmann::json(nullptr);
+    j["line_rate_source"] = rate.source;
+    j["rows"] = nlohmann::json::array();
+    for (const auto& r : rows) {
+      nlohmann::json x{{"prompt_tokens", r.prompt},
+                       {"padded_tokens", r.padded},
+                       {"blocks", r.blocks},
+                       {"bytes", r.bytes},
+                       {"requests", r.requests},
+                       {"slices", r.slices},
+                       {"ms", r.ms},
+                       {"median_ms", r.median_ms()},
+                       {"gb_per_s", r.gb_per_s()},
+                       {"gib_per_s", r.gib_per_s()}};
+      x["line_rate_share"] = line > 0 ? nlohmann::json(share(r) / 100) : nlohmann::json(nullptr);
+      x["error"] = r.error ? r.error.message() : std::string{};
+      j["rows"].push_back(std::move(x));
+    }
+    fmt::print("{}\n", j.dump(2));
+    return;
+  }
+  if (o.csv) {
+    fmt::print(
+        "prompt_tokens,padded_tokens,blocks,bytes,requests,slices,median_ms,min_ms,max_ms,"
+        "gb_per_s,gib_per_s,line_rate_gb_per_s,line_rate_share_pct,op,block_ids,lanes,error\n");
+    for (const auto& r : rows) {
+      const bool ok = !r.error && !r.ms.empty();
+      fmt::print("{},{},{},{},{},{},{:.4f},{:.4f},{:.4f},{:.4f},{:.4f},{},{},{},{},{},{}\n",
+                 r.prompt, r.padded, r.blocks, r.bytes, r.requests, r.slices, r.median_ms(),
+                 ok ? r.ms.front() : 0.0, ok ? r.ms.back() : 0.0, r.gb_per_s(), r.gib_per_s(),
+                 line > 0 ? fmt::format("{:.4f}", line) : "",
+                 line > 0 && ok ? fmt::format("{:.2f}", share(r)) : "", o.op, o.blocks, lanes,
+                 r.error ? r.error.message() : "");
+    }
+    return;
+  }
+  fmt::print(
+      "# kvlink-bench kv: {} ({} layers, {} KV heads, head_dim {}, {}), TP {}: rank 0 moves "
+      "{} B/token\n",
+      shape.label, l.num_layers, l.num_kv_heads, l.head_dim, kvlink::to_string(l.type), l.tp_size,
+      l.bytes_per_token_per_rank());
+  fmt::print("# {} over {} ({} lanes), target {}; {} block ids, {}-token blocks\n",
+             o.op == "write" ? "WRITE (push)" : "READ (pull)", o.engine.transport, lanes, where,
+             o.blocks, l.block_tokens);
+  fmt::print("# padded = prompt + {} template tokens, rounded up to whole {}-token blocks\n",
+             o.layout.pad, l.block_tokens);
+  fmt::print(
+      "# time = median of {} runs (after {} warm-up) from submit to completion, "
+      "notification included; spread = min..max\n",
+      o.iterations, o.warmup);
+  fmt::print("# line rate: {}\n",
+             line > 0 ? fmt::format("{:.2f} GB/s, {}", line, rate.source) : rate.source);
+  fmt::print("# MB = 10^6 B, MiB = 2^20 B, GB/s = 10^9 B/s, GiB/s = 2^30 B/s\n");
+  fmt::print("{:>7} {:>7} {:>10} {:>10} {:>9} {:>8} {:>8} {:>19} {:>6}\n", "prompt", "padded",
+             "KV MiB", "KV MB", "ms (med)", "GB/s", "GiB/s", "spread ms", "line%");
+  for (const auto& r : rows) {
+    const double mib = static_cast<double>(r.bytes) / 1048576.0;
+    const double mb = static_cast<double>(r.bytes) / 1e6;
+    if (r.error) {
+      fmt::print("{:>7} {:>7} {:>10.2f} {:>10.2f} error: {}\n", r.prompt, r.padded, mib, mb,
+                 r.error.message());
+      continue;
+    }
+    fmt::print("{:>7} {:>7} {:>10.2f} {:>10.2f} {:>9.2f} {:>8.2f} {:>8.2f} {:>19} {:>6}\n",
+               r.prompt, r.padded, mib, mb, r.median_ms(), r.gb_per_s(), r.gib_per_s(),
+               fmt::format("{:.2f}..{:.2f}", r.ms.front(), r.ms.back()),
+               line > 0 ? fmt::format("{:.1f}", share(r)) : "-");
+  }
+}
+
+int run_kv(const kv_options& o) {
+  check_transport(o.engine);
+  if (o.csv && o.json) throw usage_error("--csv and --json: pick one");
+  const kvlink::opcode op = o.op == "read" ? kvlink::opcode::read : kvlink::opcode::write;
+  const bool scattered = o.blocks == "scattered";
+  const auto shape = make_shape(o.layout);
+  const auto prompts = parse_prompts(o.layout.prompts);
+  kvlink::config cfg = make_config(o.engine);
+
+  std::uint32_t max_blocks = 0;
+  for (auto p : prompts) {
+    max_blocks = std::max(max_blocks,
+                          padded_tokens(shape.layout, p, o.layout.pad) / shape.layout.block_tokens);
+  }
+  // One spare block per layer tensor: a serving engine's cache is larger than
+  // one prompt, and without it the largest prompt would be one contiguous
+  // range across all layers (a single request), which no real cache gives.
+  kvlink::kv_layout local_layout = shape.layout;
+  local_layout.num_blocks = max_blocks + 1;
+  if (std::string why; local_layout.validate(&why)) throw usage_error(why);
+
+  // The reference first, while nothing else runs.
+  line_rate_info rate = find_line_rate(o, o.connect.empty());
+
+  target_handle target;
+  std::vector<std::string> targs = engine_args(o.engine);
+  targs.insert(targs.end(), {"--segment-size", std::to_string(local_layout.total_bytes()) + "B"});
+  start_target(o.connect, targs, target);
+
+  fmt::print(stderr, "initiator: allocating and touching {} ...\n",
+             kvlink::format_size(local_layout.total_bytes()));
+  auto mem = kb::make_buffer(local_layout.total_bytes());
+  asio::io_context io;
+  kvlink::tcp_engine eng{io.get_executor(), cfg};
+  eng.register_segment(mem.data(), mem.size(), kvlink::access::remote_read_write);
+  const kvlink::peer peer = connect_peer(io, eng, target.address);
+  const auto seg = peer.segments().front();
+
+  // The target's block table: as many blocks as its first segment holds.
+  kvlink::kv_layout remote_layout = shape.layout;
+  const std::uint64_t remote_blocks = seg.length / bytes_per_block_index(shape.layout);
+  if (remote_blocks < max_blocks) {
+    throw std::runtime_error(fmt::format(
+        "the target's segment ({}) holds {} blocks of this layout, the largest prompt needs {}: "
+        "start the target with the same --model/--prompts or a larger --segment-size",
+        kvlink::format_size(seg.length), remote_blocks, max_blocks));
+  }
+  remote_layout.num_blocks = static_cast<std::uint32_t>(
+      std::min<std::uint64_t>(remote_blocks, std::numeric_limits<std::uint32_t>::max()));
+  const auto local_view = kvlink::kv_local_view::contiguous(local_layout, mem.data());
+  const auto remote_view = kvlink::kv_remote_view::contiguous(
+      remote_layout, kvlink::remote_segment{peer.id(), seg.id}, 0);
+  const std::string where = target.local ? fmt::format("child process on {}", target.address)
+                                         : fmt::format("{} (--connect)", target.address);
+  fmt::print(stderr, "initiator: connected to {} over {} with {} lanes\n", target.address,
+             o.engine.transport, cfg.tcp_lanes);
+
+  std::vector<kv_row> rows;
+  std::vector<kvlink::transfer_request> reqs;
+  int rc = 0;
+  for (auto prompt : prompts) {
+    kv_row row;
+    row.prompt = prompt;
+    row.padded = padded_tokens(shape.layout, prompt, o.layout.pad);
+    row.blocks = row.padded / shape.layout.block_tokens;
+    std::vector<std::uint32_t> local_ids(row.blocks);
+    std::iota(local_ids.begin(), local_ids.end(), 0u);
+    const auto rids = remote_ids(row.blocks, scattered);
+    reqs.clear();
+    std::string why;
+    if (auto ec =
+            kvlink::make_block_transfer(op, local_view, remote_view, local_ids, rids, reqs, &why)) {
+      throw std::runtime_error("make_block_transfer: " + why);
+    }
+    row.requests = reqs.size();
+    row.bytes = std::uint64_t{row.blocks} * bytes_per_block_index(shape.layout);
+    fmt::print(stderr, "  prompt {:>6} -> {:>6} tokens, {:>10}, {:>6} requests:", prompt,
+               row.padded, kvlink::format_size(row.bytes), row.requests);
+    std::fflush(stderr);
+    for (std::uint32_t it = 0; it < o.warmup + o.iterations && !row.error; ++it) {
+      kvlink::transfer_options opts;
+      opts.deadline = 0ms;
+      opts.notify = kvlink::notification{"kv", fmt::format("prompt={} run={}", prompt, it)};
+      std::optional<std::pair<std::error_code, kvlink::transfer_result>> done;
+      const auto t0 = kb::clock_type::now();
+      eng.async_submit_transfer(
+          reqs, opts, [&](std::error_code ec, kvlink::transfer_result r) { done.emplace(ec, r); });
+      run_until(io, [&] { return done.has_value(); });
+      const double ms =
+          std::chrono::duration<double, std::milli>(kb::clock_type::now() - t0).count();
+      if (done->first) {
+        row.error = done->first;
+      } else if (done->second.bytes != row.bytes) {
+        row.error = make_error_code(kvlink::errc::invalid_argument);
+        fmt::print(stderr, " moved {} bytes, expected {}", done->second.bytes, row.bytes);
+      } else if (it >= o.warmup) {
+        row.ms.push_back(ms);
+        row.slices = done->second.slices;
+      }
+    }
+    std::sort(row.ms.begin(), row.ms.end());
+    if (row.error) {
+      fmt::print(stderr, " error: {}\n", row.error.message());
+      rc = 1;
+    } else {
+      fmt::print(stderr, " {:.2f} ms, {:.2f} GB/s\n", row.median_ms(), row.gb_per_s());
+    }
+    rows.push_back(std::move(row));
+  }
+  // The loopback reference varies with what else runs on the machine: measure
+  // it again after the rows and take the higher figure (the harder bar).
+  if (o.line_rate == "measure" && target.local && rate.gb_per_s > 0) {
+    std::string why;
+    fmt::print(stderr, "line rate: iperf3 -P 2 over loopback again for {} s ...\n",
+               o.line_rate_seconds);
+    if (const auto again = kb::iperf3_loopback(2, o.line_rate_seconds, why)) {
+      rate.source = fmt::format(
+          "iperf3 -P 2 -t {} over loopback, receiver, measured in this run before ({:.2f}) and "
+          "after ({:.2f}) the rows; the higher one",
+          o.line_rate_seconds, rate.gb_per_s, again->receiver_gb_per_s);
+      rate.gb_per_s = std::max(rate.gb_per_s, again->receiver_gb_per_s);
+    }
+  }
+  print_kv(o, shape, rate, where, cfg.tcp_lanes, rows);
+  return rc;
+}
+
+// ------------------------------------------------------------------ sweep
+
+int run_sweep(const sweep_options& o) {
+  check_transport(o.engine);
+  if (o.csv && o.json) throw usage_error("--csv and --json: pick one");
+  std::vector<std::uint64_t> sizes, batches, lanes;
+  std::vector<kvlink::opcode> ops;
+  for (auto s : kb::split_list(o.sizes)) sizes.push_back(parse_bytes("--sizes", s));
+  for (auto s : kb::split_list(o.batches)) batches.push_back(parse_count("--batches", s));
+  for (auto s : kb::split_list(o.lanes_list)) lanes.push_back(parse_count("--lanes", s));
+  for (auto s : kb::split_list(o.ops)) {
+    if (s == "write") {
+      ops.push_back(kvlink::opcode::write);
+    } else if (s == "read") {
+      ops.push_back(kvlink::opcode::read);
+    } else {
+      throw usage_error(fmt::format("--ops: '{}' is neither write nor read", s));
+    }
+  }
+  if (sizes.empty() || batches.empty() || lanes.empty() || ops.empty())
+    throw usage_error("empty --sizes/--batches/--lanes/--ops");
+  if (!(o.seconds > 0) || !(o.warmup >= 0)) throw usage_error("--seconds/--warmup: positive");
+  const std::uint64_t segment = parse_bytes("--segment-size", o.segment_size);
+  for (auto s : sizes)
+    if (s > segment) throw usage_error(fmt::format("block size {} exceeds --segment-size", s));
+
+  target_handle target;
+  auto targs = engine_args(o.engine);
+  targs.insert(targs.end(), {"--segment-size", o.segment_size});
+  start_target(o.connect, targs, target);
+  auto mem = kb::make_buffer(segment);
+  const kb::case_timing timing{std::chrono::duration<double>(o.warmup),
+                               std::chrono::duration<double>(o.seconds),
+                               o.block_layout == "scattered"};
+  asio::io_context io;
+  std::vector<kb::case_result> rows;
+  int rc = 0;
+  kvlink::config cfg0 = make_config(o.engine);
+  for (auto n : lanes) {
+    kvlink::config cfg = cfg0;
+    cfg.tcp_lanes = static_cast<std::uint32_t>(std::min<std::uint64_t>(n, 1024));
+    kvlink::tcp_engine eng{io.get_executor(), cfg};
+    eng.register_segment(mem.data(), mem.size(), kvlink::access::remote_read_write);
+    const kvlink::peer peer = connect_peer(io, eng, target.address);
+    const std::uint64_t remote_size = peer.segments().front().length;
+    for (auto op : ops) {
+      for (auto block : sizes) {
+        if (block > remote_size) throw std::runtime_error("block size exceeds the target segment");
+        for (auto batch : batches) {
+          kb::case_result r;
+          r.op = op;
+          r.block = block;
+          r.batch = batch;
+          r.depth = o.depth;
+          r.lanes = cfg.tcp_lanes;
+          fmt::print(stderr, "  lanes {} {:<5} {:>8} x {:<3} depth {} ...", r.lanes,
+                     kb::op_name(op), kvlink::format_size(block), batch, o.depth);
+          std::fflush(stderr);
+          kb::case_runner runner{io, eng, peer, mem.data(), mem.size(), remote_size, timing, r};
+          runner.run();
+          if (r.error) {
+            fmt::print(stderr, " error: {}\n", r.error.message());
+            rc = 1;
+          } else {
+            fmt::print(stderr, " {:.2f} GB/s\n", r.gb_per_s());
+          }
+          rows.push_back(r);
+        }
+      }
+    }
+  }
+  if (o.json) {
+    nlohmann::json j = nlohmann::json::array();
+    for (const auto& r : rows)
+      j.push_back({{"op", kb::op_name(r.op)},
+                   {"block_bytes", r.block},
+                   {"batch", r.batch},
+                   {"depth", r.depth},
+                   {"lanes", r.lanes},
+                   {"bytes", r.bytes},
+                   {"seconds", r.seconds},
+                   {"gb_per_s", r.gb_per_s()},
+                   {"gib_per_s", r.gib_per_s()},
+                   {"mean_batch_latency_us", r.mean_latency_us},
+                   {"error", r.error ? r.error.message() : std::string{}}});
+    fmt::print("{}\n", j.dump(2));
+  } else if (o.csv) {
+    fmt::print(
+        "op,block_bytes,batch,depth,lanes,bytes,seconds,gb_per_s,gib_per_s,"
+        "mean_batch_latency_us,error\n");
+    for (const auto& r : rows)
+      fmt::print("{},{},{},{},{},{},{:.6f},{:.4f},{:.4f},{:.1f},{}\n", kb::op_name(r.op), r.block,
+                 r.batch, r.depth, r.lanes, r.bytes, r.seconds, r.gb_per_s(), r.gib_per_s(),
+                 r.mean_latency_us, r.error ? r.error.message() : std::string{});
+  } else {
+    fmt::print(
+        "# kvlink-bench sweep over {}, target {}; depth {}, {} block layout; "
+        "GB/s = 10^9 B/s, GiB/s = 2^30 B/s\n",
+        o.engine.transport, target.local ? "child process on loopback" : target.address, o.depth,
+        o.block_layout);
+    fmt::print("{:>5} {:<6} {:>9} {:>6} {:>9} {:>9} {:>13}\n", "lanes", "op", "block", "batch",
+               "GB/s", "GiB/s", "lat/batch us");
+    for (const auto& r : rows) {
+      if (r.error) {
+        fmt::print("{:>5} {:<6} {:>9} {:>6} error: {}\n", r.lanes, kb::op_name(r.op),
+                   kvlink::format_size(r.block), r.batch, r.error.message());
+        continue;
+      }
+      fmt::print("{:>5} {:<6} {:>9} {:>6} {:>9.2f} {:>9.2f} {:>13.1f}\n", r.lanes,
+                 kb::op_name(r.op), kvlink::format_size(r.block), r.batch, r.gb_per_s(),
+                 r.gib_per_s(), r.mean_latency_us);
+    }
+  }
+  return rc;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  CLI::App app{
+      "kvlink-bench: KV-cache transfer time and bandwidth per prompt length between two "
+      "processes (default: `kv`, Qwen3-8B over TCP on loopback)",
+      "kvlink-bench"};
+  app.require_subcommand(0, 1);
+
+  kv_options kv;
+  auto* kv_cmd = app.add_subcommand("kv", "per-prompt-length KV table (the default)");
+  add_layout_options(kv_cmd, kv.layout);
+  add_engine_options(kv_cmd, kv.engine, true);
+  kv_cmd->add_option("--connect", kv.connect, "HOST:PORT of a running `kvlink-bench target`");
+  kv_cmd->add_option("--iterations", kv.iterations, "timed runs per prompt (median reported)")
+      ->capture_default_str()
+      ->check(CLI::Range(1u, 100000u));
+  kv_cmd->add_option("--warmup", kv.warmup, "untimed runs per prompt first")->capture_default_str();
+  kv_cmd->add_option("--op", kv.op, "write (prefill pushes) or read (decode pulls)")
+      ->capture_default_str()
+      ->check(CLI::IsMember({"write", "read"}));
+  kv_cmd
+      ->add_option("--blocks", kv.blocks,
+                   "contiguous, or scattered: remote block ids permuted so that nothing "
+                   "coalesces across blocks")
+      ->capture_default_str()
+      ->check(CLI::IsMember({"contiguous", "scattered"}));
+  kv_cmd
+      ->add_option("--line-rate", kv.line_rate,
+                   "reference in GB/s, or 'measure' (iperf3 -P 2 over loopback in this run)")
+      ->capture_default_str();
+  kv_cmd->add_option("--line-rate-seconds", kv.line_rate_seconds, "iperf3 -t for 'measure'")
+      ->capture_default_str()
+      ->check(CLI::Range(1u, 60u));
+  kv_cmd->add_flag("--csv", kv.csv, "CSV on stdout");
+  kv_cmd->add_flag("--json", kv.json, "JSON on stdout");
+
+  sweep_options sw;
+  auto* sweep_cmd = app.add_subcommand("sweep", "block size x batch x lanes bandwidth sweep");
+  add_engine_options(sweep_cmd, sw.engine, false);
+  sweep_cmd->add_option("--connect", sw.connect, "HOST:PORT of a running `kvlink-bench target`");
+  sweep_cmd->add_option("--sizes", sw.sizes, "block sizes")->capture_default_str();
+  sweep_cmd->add_option("--batches", sw.batches, "requests per batch")->capture_default_str();
+  sweep_cmd->add_option("--lanes", sw.lanes_list, "TCP lanes per peer")->capture_default_str();
+  sweep_cmd->add_option("--ops", sw.ops, "write,read")->capture_default_str();
+  sweep_cmd->add_option("--depth", sw.depth, "batches in flight")
+      ->capture_default_str()
+      ->check(CLI::Range(1u, 4096u));
+  sweep_cmd->add_option("--seconds", sw.seconds, "measured time per case")->capture_default_str();
+  sweep_cmd->add_option("--warmup", sw.warmup, "warm-up time per case")->capture_default_str();
+  sweep_cmd->add_option("--segment-size", sw.segment_size, "bytes registered on each side")
+      ->capture_default_str();
+  sweep_cmd
+      ->add_option("--layout", sw.block_layout,
+                   "scattered (remote blocks 4 KiB apart: no coalescing) or contiguous")
+      ->capture_default_str()
+      ->check(CLI::IsMember({"contiguous", "scattered"}));
+  sweep_cmd->add_flag("--csv", sw.csv, "CSV on stdout");
+  sweep_cmd->add_flag("--json", sw.json, "JSON on stdout");
+
+  target_options tg;
+  auto* target_cmd = app.add_subcommand(
+      "target", "serve a KV cache for an initiator (prints LISTEN host:port on stdout)");
+  add_layout_options(target_cmd, tg.layout);
+  add_engine_options(target_cmd, tg.engine, false);
+  target_cmd->add_option("--listen", tg.listen, "HOST:PORT to listen on")->capture_default_str();
+  target_cmd->add_option("--segment-size", tg.segment_size,
+                         "bytes to register (default: the layout's largest prompt)");
+  target_cmd->add_flag("--watch-stdin", tg.watch_stdin, "stop when stdin closes");
+
+  // No subcommand: `kv`, so that `kvlink-bench --prompts 1K` works too.
+  std::vector<std::string> args(argv, argv + argc);
+  const bool top_help = argc == 2 && (args[1] == "--help" || args[1] == "-h");
+  if (!top_help && (argc == 1 || args[1].rfind('-', 0) == 0)) {
+    args.insert(args.begin() + 1, "kv");
+  }
+  std::vector<char*> cargv;
+  for (auto& s : args) cargv.push_back(s.data());
+  try {
+    app.parse(static_cast<int>(cargv.size()), cargv.data());
+  } catch (const CLI::ParseError& e) {
+    return app.exit(e);
+  }
+  try {
+    if (sweep_cmd->parsed()) return run_sweep(sw);
+    if (target_cmd->parsed()) return run_target(tg);
+    return run_kv(kv);
+  } catch (const usage_error& e) {
+    fmt::print(stderr, "kvlink-bench: {}\n", e.what());
+    return 2;
+  } catch (const std::exception& e) {
+    fmt::print(stderr, "kvlink-bench: {}\n", e.what());
+    return 1;
+  }
+}
