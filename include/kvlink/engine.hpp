@@ -633,11 +633,11 @@ class engine_core final : public transport_host,
   void fence(std::uint64_t id) {
     auto* op = find_op(id);
     if (!op) return;
-    const auto why = op->error;
     auto lanes = op->lanes;
     for (auto& l : lanes) {
       if (find_op(id) == nullptr) return;
-      if (l->has_in_flight(op)) l->fail(why);
+      // Other transfers on these lanes fail too: their peer stopped answering.
+      if (l->has_in_flight(op)) l->fail(errc::peer_closed);
     }
   }
 
@@ -742,9 +742,7 @@ class engine_core final : public transport_host,
     watchdog dog(strand_, s, cfg_.connect_timeout);
     auto [ec, ep] = co_await asio::async_connect(s, eps, use_nothrow);
     (void)ep;
-    if (ec)
-      co_return dog.fired() ? std::error_code{errc::peer_unreachable}
-                            : std::error_code{errc::peer_unreachable};
+    if (ec) co_return std::error_code{errc::peer_unreachable};  // refused, or timed out
     tcp::tune_socket(s, cfg_.tcp_nodelay, cfg_.socket_buffer);
     if (auto wec = co_await write_message(s, hello))
       co_return dog.fired() ? errc::peer_unreachable : wec;
@@ -875,7 +873,12 @@ class engine_core final : public transport_host,
       asio::ip::tcp::socket s(self->strand_);
       auto [ec] = co_await self->acceptor_.async_accept(s, use_nothrow);
       if (self->shut_ || !self->acceptor_.is_open()) co_return;
-      if (ec) continue;
+      if (ec) {
+        // EMFILE and friends: back off instead of spinning on the error.
+        asio::steady_timer pause(self->strand_, std::chrono::milliseconds(50));
+        co_await pause.async_wait(use_nothrow);
+        continue;
+      }
       asio::co_spawn(self->strand_, serve_connection(self, std::move(s)), asio::detached);
     }
   }
