@@ -10,12 +10,14 @@
 #include <kvlink/engine.hpp>
 
 #include <algorithm>
+#include <array>
 #include <cerrno>
 #include <chrono>
 #include <csignal>
 #include <cstddef>
 #include <cstdint>
 #include <cstdio>
+#include <functional>
 #include <optional>
 #include <string>
 #include <string_view>
@@ -23,6 +25,8 @@
 #include <vector>
 
 #include <asio/io_context.hpp>
+#include <asio/posix/stream_descriptor.hpp>
+#include <asio/signal_set.hpp>
 #include <nlohmann/json.hpp>
 #include <sys/mman.h>
 #include <sys/wait.h>
@@ -72,6 +76,47 @@ class page_buffer {
 };
 
 inline page_buffer make_buffer(std::uint64_t size) { return page_buffer(size); }
+
+/// The target's main loop: announces its address (the initiator, or a
+/// person, reads the `LISTEN host:port` line), drains notifications, and
+/// runs until SIGINT/SIGTERM or, with `watch_stdin`, until its stdin closes
+/// (the parent that started it is done or gone). Returns the number of
+/// notifications received.
+inline std::uint64_t serve_target(asio::io_context& io, kvlink::tcp_engine& eng,
+                                  std::uint64_t segment_bytes, bool watch_stdin) {
+  std::printf("LISTEN %s\n", eng.local_address().c_str());
+  std::fflush(stdout);
+  std::fprintf(stderr, "target: listening on %s, segment %s\n", eng.local_address().c_str(),
+               kvlink::format_size(segment_bytes).c_str());
+  std::uint64_t notes = 0;
+  std::function<void()> receive = [&] {
+    eng.async_receive_notification([&](std::error_code ec, kvlink::notification) {
+      if (ec) return;
+      ++notes;
+      receive();
+    });
+  };
+  receive();
+  asio::signal_set signals{io, SIGINT, SIGTERM};
+  signals.async_wait([&io](std::error_code, int) { io.stop(); });
+  std::optional<asio::posix::stream_descriptor> in;
+  std::array<char, 256> sink{};
+  std::function<void()> watch = [&] {
+    in->async_read_some(asio::buffer(sink), [&](std::error_code ec, std::size_t) {
+      if (ec) {
+        io.stop();  // EOF: the initiator is done (or gone)
+      } else {
+        watch();
+      }
+    });
+  };
+  if (watch_stdin) {
+    in.emplace(io, ::dup(STDIN_FILENO));
+    watch();
+  }
+  io.run();
+  return notes;
+}
 
 // ------------------------------------------------------------------ child
 

@@ -291,38 +291,7 @@ int run_target(const target_options& o) {
   asio::io_context io;
   kvlink::tcp_engine eng{io.get_executor(), cfg};
   eng.register_segment(mem.data(), mem.size(), kvlink::access::remote_read_write);
-  fmt::print("LISTEN {}\n", eng.local_address());
-  std::fflush(stdout);
-  fmt::print(stderr, "target: listening on {}, segment {}\n", eng.local_address(),
-             kvlink::format_size(size));
-
-  std::uint64_t notes = 0;
-  std::function<void()> receive = [&] {
-    eng.async_receive_notification([&](std::error_code ec, kvlink::notification) {
-      if (ec) return;
-      ++notes;
-      receive();
-    });
-  };
-  receive();
-  asio::signal_set signals{io, SIGINT, SIGTERM};
-  signals.async_wait([&io](std::error_code, int) { io.stop(); });
-  std::optional<asio::posix::stream_descriptor> in;
-  std::array<char, 256> sink{};
-  std::function<void()> watch = [&] {
-    in->async_read_some(asio::buffer(sink), [&](std::error_code ec, std::size_t) {
-      if (ec) {
-        io.stop();  // EOF: the initiator is done (or gone)
-      } else {
-        watch();
-      }
-    });
-  };
-  if (o.watch_stdin) {
-    in.emplace(io, ::dup(STDIN_FILENO));
-    watch();
-  }
-  io.run();
+  const auto notes = kb::serve_target(io, eng, size, o.watch_stdin);
   fmt::print(stderr, "target: done, {} notifications received\n", notes);
   return 0;
 }

@@ -231,30 +231,7 @@ int run_target(const options& o) {
   auto mem = make_buffer(o.segment_size);
   kvlink::tcp_engine eng{io.get_executor(), o.cfg};
   eng.register_segment(mem.data(), mem.size(), kvlink::access::remote_read_write);
-  // The initiator (or a person) reads this line to learn where to connect.
-  fmt::print("LISTEN {}\n", eng.local_address());
-  std::fflush(stdout);
-  fmt::print(stderr, "target: listening on {}, segment {}\n", eng.local_address(),
-             kvlink::format_size(o.segment_size));
-
-  asio::signal_set signals{io, SIGINT, SIGTERM};
-  signals.async_wait([&io](std::error_code, int) { io.stop(); });
-  std::optional<asio::posix::stream_descriptor> in;
-  std::array<char, 256> sink{};
-  std::function<void()> watch = [&] {
-    in->async_read_some(asio::buffer(sink), [&](std::error_code ec, std::size_t) {
-      if (ec) {
-        io.stop();  // EOF: the initiator is done (or gone)
-      } else {
-        watch();
-      }
-    });
-  };
-  if (o.watch_stdin) {
-    in.emplace(io, ::dup(STDIN_FILENO));
-    watch();
-  }
-  io.run();
+  kvlink::bench::serve_target(io, eng, o.segment_size, o.watch_stdin);
   return 0;
 }
 
