@@ -701,9 +701,15 @@ class engine_core final : public transport_host,
     if (p->control) p->control->close(ec);
   }
 
+  // Registrations come in bursts at start-up (hundreds of regions): one
+  // announcement, of the whole list as it is when it runs, serves them all.
   void announce_segments() {
+    if (announce_pending_.exchange(true)) return;
     asio::post(strand_, [w = this->weak_from_this()] {
-      if (auto self = w.lock()) self->announce_segments_now();
+      if (auto self = w.lock()) {
+        self->announce_pending_.store(false);
+        self->announce_segments_now();
+      }
     });
   }
 
@@ -952,6 +958,7 @@ class engine_core final : public transport_host,
   asio::ip::tcp::acceptor acceptor_;
   std::string local_address_;
   std::atomic<std::uint64_t> next_op_{1};
+  std::atomic<bool> announce_pending_{false};
   // strand-only
   std::unordered_map<std::uint64_t, std::shared_ptr<peer_state>> peers_;
   std::uint64_t next_peer_ = 1;
