@@ -272,6 +272,8 @@ class lane_server : public std::enable_shared_from_this<lane_server> {
   /// target buffer without bound.
   static constexpr std::size_t max_pending_responses = 1024;
   static constexpr std::size_t drain_chunk = 256u << 10;
+  static constexpr std::size_t max_deferred_responses = 32;
+  static constexpr std::uint64_t max_deferred_payload = 64u << 10;
 
   lane_server(asio::ip::tcp::socket socket, const segment_registry& registry,
               detail::transport_host& host, std::uint64_t max_frame_payload)
@@ -412,6 +414,17 @@ class lane_server : public std::enable_shared_from_this<lane_server> {
     h.status = error_to_status(status);
     h.length = (type == frame_type::read_response && !status) ? req.length : 0;
     out_.push_back(response{encode(h), payload, h.length, seg, pinned});
+    // After a small frame, when the next request is already waiting in the
+    // socket, answer it together with this one: one send for a run of small
+    // frames instead of one each. The read loop is about to take that
+    // request, so the flush is only put off, never skipped; bounded by
+    // max_deferred_responses. Large frames are answered at once: their
+    // answer costs little next to their payload, and delaying it would delay
+    // the initiator by a whole frame.
+    if (!writing_ && out_.size() < max_deferred_responses && req.length <= max_deferred_payload) {
+      std::error_code ec;
+      if (socket_.available(ec) >= frame_header_size && !ec) return;
+    }
     write();
   }
 
