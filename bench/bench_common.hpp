@@ -307,6 +307,18 @@ class case_runner {
   double latency_ns_ = 0;
 };
 
+/// Runs one case and ends the progress line on stderr with its outcome.
+/// False when the case failed (its error is in `r.error`).
+inline bool run_and_report(case_runner& runner, const case_result& r) {
+  runner.run();
+  if (r.error) {
+    std::fprintf(stderr, " error: %s\n", r.error.message().c_str());
+    return false;
+  }
+  std::fprintf(stderr, " %.2f GB/s\n", r.gb_per_s());
+  return true;
+}
+
 // ------------------------------------------------------------------ iperf3
 
 /// Runs `argv` (argv[0] looked up on PATH) with stdout captured into `out`

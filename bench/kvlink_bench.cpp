@@ -680,13 +680,7 @@ int run_sweep(const sweep_options& o) {
                      kb::op_name(op), kvlink::format_size(block), batch, o.depth);
           std::fflush(stderr);
           kb::case_runner runner{io, eng, peer, mem.data(), mem.size(), remote_size, timing, r};
-          runner.run();
-          if (r.error) {
-            fmt::print(stderr, " error: {}\n", r.error.message());
-            rc = 1;
-          } else {
-            fmt::print(stderr, " {:.2f} GB/s\n", r.gb_per_s());
-          }
+          if (!kb::run_and_report(runner, r)) rc = 1;
           rows.push_back(r);
         }
       }

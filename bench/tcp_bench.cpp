@@ -310,13 +310,7 @@ int run_initiator(const options& o, const std::string& address) {
                                                 std::chrono::duration<double>(o.seconds),
                                                 o.scattered};
         case_runner runner{io, eng, peer, mem.data(), mem.size(), remote_size, timing, r};
-        runner.run();
-        if (r.error) {
-          fmt::print(stderr, " error: {}\n", r.error.message());
-          rc = 1;
-        } else {
-          fmt::print(stderr, " {:.2f} GB/s\n", r.gb_per_s());
-        }
+        if (!kvlink::bench::run_and_report(runner, r)) rc = 1;
         rows.push_back(r);
       }
     }
