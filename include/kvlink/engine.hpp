@@ -48,6 +48,7 @@
 #include <kvlink/core/types.hpp>
 #include <kvlink/detail/control_channel.hpp>
 #include <kvlink/detail/erased_handler.hpp>
+#include <kvlink/detail/fabric.hpp>
 #include <kvlink/detail/transfer_op.hpp>
 #include <kvlink/planner/slice_planner.hpp>
 #include <kvlink/tcp/lane.hpp>
@@ -62,6 +63,7 @@
 #include <stdexcept>
 #include <string>
 #include <system_error>
+#include <thread>
 #include <unordered_map>
 #include <vector>
 
@@ -121,7 +123,8 @@ struct peer_state {
   std::atomic<bool> alive{true};
   // Strand-only from here.
   std::shared_ptr<control_channel> control;
-  std::vector<std::shared_ptr<tcp::lane>> lanes;
+  std::vector<std::shared_ptr<lane_base>> lanes;
+  std::shared_ptr<fabric_path> path;  // set when a fabric (RDMA) carries its data
   std::vector<double> weights;
   std::error_code failure;
 };
@@ -137,7 +140,7 @@ struct transfer_op {
   std::chrono::steady_clock::time_point start;
   std::optional<asio::steady_timer> deadline;
   std::optional<asio::steady_timer> fence;
-  std::vector<std::shared_ptr<tcp::lane>> lanes;   // lanes that carry its slices
+  std::vector<std::shared_ptr<lane_base>> lanes;   // lanes that carry its slices
   std::vector<std::shared_ptr<peer_state>> peers;  // peers it moves data with
   std::optional<notification> notify{};
 };
@@ -157,7 +160,9 @@ class peer {
   instance_id instance() const noexcept { return state_ ? state_->instance : instance_id{}; }
   /// The address it was reached at (host:port).
   const std::string& address() const { return checked().address; }
-  /// Which transport carries its data ("tcp").
+  /// Which transport carries its data: "rdma" or "tcp" (chosen at the
+  /// handshake: RDMA when both engines have a usable device, TCP otherwise
+  /// unless config.allow_tcp_fallback forbids it).
   const std::string& transport() const { return checked().transport; }
   /// False once its connections were lost or closed.
   bool connected() const noexcept {
@@ -206,12 +211,20 @@ struct tcp_transport {
   using server_type = tcp::lane_server;
 };
 
-/// What basic_engine needs of a transport.
+/// What basic_engine needs of a transport. A transport may also offer a
+/// one-sided fabric beside TCP (rdma_transport does):
+///   static std::shared_ptr<detail::fabric> make_fabric(const config&,
+///                                                      asio::any_io_executor strand);
 template <class T>
 concept transport = requires {
   { T::name } -> std::convertible_to<std::string_view>;
   typename T::lane_type;
   typename T::server_type;
+};
+
+template <class T>
+concept fabric_transport = transport<T> && requires(const config& c, asio::any_io_executor ex) {
+  { T::make_fabric(c, ex) } -> std::convertible_to<std::shared_ptr<detail::fabric>>;
 };
 
 namespace detail {
@@ -335,9 +348,25 @@ class engine_core final : public transport_host,
     if (ec) throw std::system_error(ec, fmt::format("kvlink: bind({})", cfg_.listen));
     acceptor_.listen(asio::socket_base::max_listen_connections);
     local_address_ = format_endpoint(acceptor_.local_endpoint());
+    if constexpr (fabric_transport<Transport>) {
+      fabric_ = Transport::make_fabric(cfg_, asio::any_io_executor(strand_));
+      if (fabric_ && !fabric_->available() && !cfg_.allow_tcp_fallback) {
+        throw std::system_error(
+            make_error_code(errc::no_device),
+            fmt::format("kvlink: no usable {} device ({}) and config.allow_tcp_fallback is false",
+                        fabric_->name(), fabric_->unavailable_reason()));
+      }
+    }
   }
 
-  void start() { asio::co_spawn(strand_, accept_loop(this->shared_from_this()), asio::detached); }
+  void start() {
+    if (fabric_ && fabric_->available()) fabric_->start();
+    asio::co_spawn(strand_, accept_loop(this->shared_from_this()), asio::detached);
+  }
+
+  /// The fabric beside TCP, if this engine has one (even when it found no
+  /// device); nullptr for a TCP engine.
+  const detail::fabric* fabric() const noexcept { return fabric_.get(); }
 
   // ------------------------------------------------------------ public API
 
@@ -348,10 +377,32 @@ class engine_core final : public transport_host,
   strand_type& strand() noexcept { return strand_; }
 
   segment_id register_segment(const void* base, std::uint64_t length, access granted,
-                              std::error_code& ec) {
+                              std::error_code& ec, std::string* what = nullptr) {
     const auto id = registry_.add(base, length, granted, ec);
-    if (!ec) announce_segments();
+    if (ec) return id;
+    if (fabric_ && fabric_->available()) {
+      std::string call;
+      ec = fabric_->register_memory(id, const_cast<void*>(base), length, granted, call);
+      if (ec) {
+        (void)registry_.remove(id);
+        if (what) *what = std::move(call);
+        return segment_id{};
+      }
+    }
+    announce_segments();
     return id;
+  }
+
+  /// Registration off the caller's executor: pinning gigabytes with every
+  /// device takes a while. One short-lived thread per call.
+  void register_segment_async(void* base, std::uint64_t length, access granted,
+                              erased_handler<void(std::error_code, segment_id)> h) {
+    std::thread([self = this->shared_from_this(), base, length, granted,
+                 h = std::move(h)]() mutable {
+      std::error_code ec;
+      const auto id = self->register_segment(base, length, granted, ec);
+      h.complete(ec, id);
+    }).detach();
   }
 
   void unregister_segment(segment_id id, plain_handler h) {
@@ -360,6 +411,9 @@ class engine_core final : public transport_host,
         h.complete(ec);
         return;
       }
+      // After deregistration no device touches the memory; TCP frames in
+      // flight are waited for below.
+      if (self->fabric_ && self->fabric_->available()) self->fabric_->unregister_memory(id);
       self->announce_segments_now();
       if (self->pins_[id] == 0) {
         self->pins_.erase(id);
@@ -407,6 +461,7 @@ class engine_core final : public transport_host,
     servers_.clear();
     for (auto& s : sessions_) s->close(errc::cancelled);
     sessions_.clear();
+    if (fabric_) fabric_->shutdown();
     auto waiters = std::move(notify_waiters_);
     notify_waiters_.clear();
     for (auto& w : waiters) w.handler.complete(errc::cancelled, notification{});
@@ -547,7 +602,8 @@ class engine_core final : public transport_host,
       for (const auto& s : slices) {
         auto& l = g.p->lanes[s.lane];
         l->enqueue(slice_ref{op, reinterpret_cast<std::byte*>(s.local_addr), s.length,
-                             s.remote_segment.value(), s.remote_offset, s.op, 0});
+                             s.remote_segment.value(), s.remote_offset, s.op, 0,
+                             s.local_segment.value()});
         ++op->pending;
         if (!used[s.lane]) {
           used[s.lane] = true;
@@ -723,9 +779,11 @@ class engine_core final : public transport_host,
 
   std::vector<remote_segment_info> local_segments() const {
     std::vector<remote_segment_info> out;
+    const bool keys = fabric_ && fabric_->available();
     for (const auto& s : registry_.snapshot()) {
       out.push_back(
-          remote_segment_info{s.id, static_cast<std::uint64_t>(s.base), s.length, s.granted, {}});
+          remote_segment_info{s.id, static_cast<std::uint64_t>(s.base), s.length, s.granted,
+                              keys ? fabric_->rkeys(s.id) : std::vector<std::uint32_t>{}});
     }
     return out;
   }
@@ -735,8 +793,9 @@ class engine_core final : public transport_host,
     d.instance = self_;
     d.tcp_address = local_address_;
     d.segments = local_segments();
-    d.transports = {
-        {std::string(Transport::name), {{"address", local_address_}, {"lanes", cfg_.tcp_lanes}}}};
+    d.transports = {{"tcp", {{"address", local_address_}, {"lanes", cfg_.tcp_lanes}}}};
+    if (fabric_ && fabric_->available())
+      d.transports[std::string(fabric_->name())] = fabric_->describe();
     return d;
   }
 
@@ -808,13 +867,36 @@ class engine_core final : public transport_host,
       }
     }
 
+    // The data transport, per peer: the fabric (RDMA) when both sides have a
+    // usable device, TCP otherwise unless the config forbids falling back.
+    bool use_fabric = false;
+    if (fabric_) {
+      std::string why;
+      const auto entry = desc.transports.find(std::string(fabric_->name()));
+      if (!fabric_->available()) {
+        why = fabric_->unavailable_reason();
+      } else if (entry == desc.transports.end()) {
+        why = fmt::format("the peer offers no {} device", fabric_->name());
+      } else {
+        use_fabric = fabric_->reachable(*entry, why);
+      }
+      if (!use_fabric && !cfg_.allow_tcp_fallback) {
+        co_return errc::transport_unavailable;
+      }
+    }
+
     auto p = std::make_shared<peer_state>();
     p->id = peer_id{next_peer_++};
     p->instance = desc.instance;
     p->address = address;
-    p->transport = std::string(Transport::name);
+    p->transport = use_fabric ? std::string(fabric_->name()) : std::string("tcp");
     p->cache = cache_;
     for (auto& s : desc.segments) cache_->put(desc.instance, s);
+
+    if (use_fabric) {
+      co_return attach_fabric_peer(p, std::move(control_socket),
+                                   desc.transports[std::string(fabric_->name())], out);
+    }
 
     for (std::uint32_t i = 0; i < cfg_.tcp_lanes; ++i) {
       asio::ip::tcp::socket s(strand_);
@@ -844,6 +926,42 @@ class engine_core final : public transport_host,
         std::make_shared<control_channel>(std::move(control_socket), cfg_.max_control_message);
     peers_.emplace(p->id.value(), p);
     for (auto& l : p->lanes) l->start();
+    start_control(p);
+    out = peer{p};
+    co_return std::error_code{};
+  }
+
+  // A peer whose data goes over the fabric: the control channel first (the
+  // path sends its connection requests over it), then one path that stripes
+  // slices over every rail.
+  std::error_code attach_fabric_peer(const std::shared_ptr<peer_state>& p,
+                                     asio::ip::tcp::socket control_socket,
+                                     const nlohmann::json& remote, peer& out) {
+    if (shut_) return errc::cancelled;
+    p->control =
+        std::make_shared<control_channel>(std::move(control_socket), cfg_.max_control_message);
+    std::weak_ptr<peer_state> wp = p;
+    std::weak_ptr<control_channel> wc = p->control;
+    path_context ctx{p->instance, cache_,
+                     [wc](const nlohmann::json& m) {
+                       if (auto c = wc.lock()) c->send(m);
+                     },
+                     [w = this->weak_from_this(), wp](std::error_code ec) {
+                       auto self = w.lock();
+                       auto pp = wp.lock();
+                       if (self && pp) self->peer_failed(pp, ec);
+                     }};
+    p->path = fabric_->make_path(remote, *this, std::move(ctx));
+    p->lanes.push_back(p->path);
+    p->weights.push_back(1.0);
+    peers_.emplace(p->id.value(), p);
+    p->path->start();
+    start_control(p);
+    out = peer{p};
+    return {};
+  }
+
+  void start_control(const std::shared_ptr<peer_state>& p) {
     std::weak_ptr<peer_state> wp = p;
     p->control->start(
         [w = this->weak_from_this(), wp](const nlohmann::json& msg) {
@@ -856,12 +974,14 @@ class engine_core final : public transport_host,
           auto pp = wp.lock();
           if (self && pp) self->peer_failed(pp, ec);
         });
-    out = peer{p};
-    co_return std::error_code{};
   }
 
   void on_peer_message(peer_state& p, const nlohmann::json& msg) {
     const auto type = msg.value("type", std::string{});
+    if (p.path && type.starts_with(std::string(fabric_->name()) + "_")) {
+      p.path->on_control(msg);
+      return;
+    }
     if (type == "segments") {
       std::vector<remote_segment_info> segs;
       const auto it = msg.find("segments");
@@ -932,7 +1052,16 @@ class engine_core final : public transport_host,
     session->start(
         [weak, wsession, from = hello.instance, addr = hello.address](const nlohmann::json& m) {
           auto core = weak.lock();
-          if (!core || m.value("type", std::string{}) != "notify") return;  // others: ignored
+          if (!core) return;
+          if (m.value("type", std::string{}) != "notify") {
+            // A fabric path's connection request; other types are ignored.
+            if (core->fabric_ && core->fabric_->available()) {
+              if (auto ch = wsession.lock()) {
+                if (auto reply = core->fabric_->on_request(ch.get(), m)) ch->send(*reply);
+              }
+            }
+            return;
+          }
           notification n;
           if (control::parse_notify(m, core->cfg_.max_notification, n.id, n.payload)) {
             if (auto ch = wsession.lock()) ch->close(errc::malformed_message);
@@ -947,7 +1076,12 @@ class engine_core final : public transport_host,
           n.from_address = addr;
           core->deliver(std::move(n));
         },
-        [](std::error_code) {});
+        [weak, key = static_cast<const void*>(session.get())](std::error_code) {
+          auto core = weak.lock();
+          if (core && core->fabric_ && core->fabric_->available()) {
+            core->fabric_->session_closed(key);
+          }
+        });
   }
 
   strand_type strand_;
@@ -976,6 +1110,7 @@ class engine_core final : public transport_host,
   std::deque<notification> received_;
   std::deque<notify_waiter> notify_waiters_;
   bool shut_ = false;
+  std::shared_ptr<detail::fabric> fabric_;
 };
 
 }  // namespace detail
@@ -1027,12 +1162,38 @@ class basic_engine {
   segment_id register_segment(void* base, std::uint64_t length,
                               access granted = access::remote_read_write) {
     std::error_code ec;
-    const auto id = register_segment(base, length, granted, ec);
+    std::string what;
+    const auto id = core_->register_segment(base, length, granted, ec, &what);
     if (ec) {
-      throw std::system_error(ec,
-                              fmt::format("kvlink: register_segment({}, {} bytes)", base, length));
+      throw std::system_error(ec, fmt::format("kvlink: register_segment({}, {} bytes){}{}", base,
+                                              length, what.empty() ? "" : ": ", what));
     }
     return id;
+  }
+
+  /// As register_segment(), run off the caller's executor (an RDMA engine
+  /// pins the memory with every device, in parallel, which takes a while for
+  /// gigabytes). Signature: void(std::error_code, segment_id).
+  template <class Token = asio::default_completion_token_t<executor_type>>
+  auto async_register_segment(void* base, std::uint64_t length, access granted,
+                              Token&& token = asio::default_completion_token_t<executor_type>{}) {
+    return asio::async_initiate<Token, void(std::error_code, segment_id)>(
+        [this](auto handler, void* b, std::uint64_t len, access a) {
+          core_->register_segment_async(
+              b, len, a,
+              detail::erased_handler<void(std::error_code, segment_id)>(std::move(handler), ex_));
+        },
+        token, base, length, granted);
+  }
+
+  /// Which data transports this engine offers peers: "tcp", or "rdma,tcp"
+  /// when it has a usable RDMA device; with the reason when an RDMA engine
+  /// found none ("tcp (rdma: no RDMA devices)").
+  std::string transports() const {
+    const auto* f = core_->fabric();
+    if (!f) return "tcp";
+    if (f->available()) return fmt::format("{},tcp", f->name());
+    return fmt::format("tcp ({}: {})", f->name(), f->unavailable_reason());
   }
 
   /// Unregisters a segment. Completes, with signature void(std::error_code),

@@ -7,6 +7,7 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <memory>
 #include <system_error>
 
 namespace kvlink::detail {
@@ -22,7 +23,8 @@ struct slice_ref {
   std::uint64_t segment = 0;
   std::uint64_t offset = 0;
   opcode kind = opcode::write;
-  std::uint64_t tag = 0;  ///< set by the lane when the slice is sent
+  std::uint64_t tag = 0;            ///< set by the lane when the slice is sent
+  std::uint64_t local_segment = 0;  ///< the registered segment holding `local`
 };
 
 /// What transports report to (the engine core implements it).
@@ -39,6 +41,26 @@ class transport_host {
 
  protected:
   ~transport_host() = default;
+};
+
+/// What the engine needs of a lane: a path that carries slices to one peer
+/// (a TCP connection, or an RDMA path over several rails and queue pairs).
+/// Everything is called on the engine's strand.
+class lane_base {
+ public:
+  virtual ~lane_base() = default;
+  /// Starts receiving (called once the peer is set up).
+  virtual void start() = 0;
+  /// Queues a slice; pump() sends what the lane's window allows.
+  virtual void enqueue(const slice_ref& s) = 0;
+  virtual void pump() = 0;
+  /// Removes queued (not yet sent) slices of `op`; returns how many. They are
+  /// not reported through slice_done: the caller accounts for them.
+  virtual std::size_t drop_queued(const transfer_op* op) = 0;
+  virtual bool has_in_flight(const transfer_op* op) const = 0;
+  /// Stops the lane for good: every queued and in-flight slice is reported
+  /// done with `ec`, each only once nothing touches its memory any more.
+  virtual void fail(std::error_code ec) = 0;
 };
 
 }  // namespace kvlink::detail

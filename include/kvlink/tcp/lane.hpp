@@ -62,7 +62,7 @@ inline void tune_socket(asio::ip::tcp::socket& s, bool nodelay, std::uint64_t bu
 
 // ------------------------------------------------------------------ lane
 
-class lane : public std::enable_shared_from_this<lane> {
+class lane final : public detail::lane_base, public std::enable_shared_from_this<lane> {
  public:
   static constexpr std::size_t max_batch_frames = 64;
   static constexpr std::uint64_t max_batch_bytes = 8u << 20;
@@ -79,17 +79,17 @@ class lane : public std::enable_shared_from_this<lane> {
 
   /// Starts the receive loop (it also notices a peer that goes away while
   /// the lane is idle).
-  void start() { receive(); }
+  void start() override { receive(); }
 
   bool failed() const noexcept { return failed_; }
   std::size_t queued() const noexcept { return queue_.size(); }
   std::size_t in_flight() const noexcept { return inflight_.size(); }
 
   /// Queues a slice; it is sent when the window has room.
-  void enqueue(const detail::slice_ref& s) { queue_.push_back(s); }
+  void enqueue(const detail::slice_ref& s) override { queue_.push_back(s); }
 
   /// Sends what the window allows. Call after enqueue().
-  void pump() {
+  void pump() override {
     if (writing_ || failed_) return;
     send_headers_.clear();
     send_bufs_.clear();
@@ -128,13 +128,13 @@ class lane : public std::enable_shared_from_this<lane> {
 
   /// Removes queued (not yet sent) slices of `op`; returns how many. They are
   /// not reported through slice_done: the caller accounts for them.
-  std::size_t drop_queued(const detail::transfer_op* op) {
+  std::size_t drop_queued(const detail::transfer_op* op) override {
     const auto before = queue_.size();
     std::erase_if(queue_, [op](const detail::slice_ref& s) { return s.op == op; });
     return before - queue_.size();
   }
 
-  bool has_in_flight(const detail::transfer_op* op) const {
+  bool has_in_flight(const detail::transfer_op* op) const override {
     return std::any_of(inflight_.begin(), inflight_.end(),
                        [op](const auto& s) { return s.op == op; });
   }
@@ -142,7 +142,7 @@ class lane : public std::enable_shared_from_this<lane> {
   /// Closes the connection and resolves every queued and in-flight slice
   /// with `ec`. Once the socket is closed the kernel no longer reads from or
   /// writes to any slice's memory, so reporting them done here is safe.
-  void fail(std::error_code ec) {
+  void fail(std::error_code ec) override {
     if (failed_) return;
     failed_ = true;
     std::error_code ignored;
