@@ -1,0 +1,1036 @@
+// The RDMA verbs transport: kvlink::rdma_engine.
+//
+//   asio::io_context io;
+//   kvlink::rdma_engine eng{io.get_executor(), kvlink::config{.listen = "10.0.0.1:0"}};
+//   eng.transports();   // "rdma,tcp"; "tcp (rdma: no RDMA devices ...)" without a device
+//   auto seg = co_await eng.async_register_segment(buf, len, kvlink::access::remote_read_write,
+//                                                  asio::use_awaitable);
+//   kvlink::peer p = co_await eng.async_connect("10.0.0.2:17001", asio::use_awaitable);
+//   p.transport();      // "rdma" when both sides have a usable device, else "tcp"
+//
+// The same engine, planner and completion contract as TCP (engine.hpp); what
+// differs is below the planner:
+// - Devices: every ACTIVE port with a usable GID (device.hpp picks a RoCE v2
+//   IPv4-mapped GID by itself and says why, in a line on stderr and in the
+//   peer descriptor); config.rdma_devices narrows the set, rdma_gid_index
+//   overrides the GID. One protection domain, completion channel and
+//   completion queue per port.
+// - Registration: every segment is registered with every port (in parallel,
+//   one thread per extra port); the descriptor carries one rkey per port.
+// - Rails: a path to a peer has one rail per local port, paired with the
+//   peer's port on the same IPv4 subnet (by index when none is). A rail has
+//   config.rdma_qps_per_endpoint RC queue pairs, created and connected
+//   lazily: the first slice for the peer sends an "rdma_connect" over the
+//   TCP control channel and the peer answers with its queue pairs. Each
+//   direction has its own queue pairs, so two engines connecting to each
+//   other at once simply get two independent sets.
+// - Slices: one signaled RDMA WRITE or READ each, given to the queue pair
+//   with the fewest bytes outstanding among active rails, at most
+//   config.rdma_max_wr per queue pair and no more than a completion queue
+//   holds per port. One large request is cut into slices by the planner and
+//   so uses every rail.
+// - Completions: one coroutine per port on the engine's strand polls its
+//   completion queue while work is outstanding (yielding to other handlers
+//   between polls, and parking after a run of empty polls) and waits on the
+//   completion channel's file descriptor when idle. No threads of its own.
+// - Failure: a work request that fails breaks its queue pair, so its rail is
+//   torn down at once (queue pairs moved to ERR and destroyed: after
+//   ibv_destroy_qp returns the device touches none of their buffers) and
+//   paused with an exponential backoff before it reconnects. Its slices are
+//   retried on another rail (at most rails + 1 posts per slice) unless the
+//   request itself was wrong (remote access error: fails with that
+//   ibv_wc_status). When no rail is left to wait for, queued slices fail
+//   with the last error. A peer whose control connection drops (process
+//   gone) fails every slice with errc::peer_closed; one that stops answering
+//   fails them by the transport's retry timeout or the transfer's deadline.
+//   Slices are reported done only once no queue pair can touch their memory.
+#pragma once
+
+#include <kvlink/engine.hpp>
+#include <kvlink/rdma/device.hpp>
+#include <kvlink/rdma/path_logic.hpp>
+#include <kvlink/rdma/verbs.hpp>
+
+#include <atomic>
+#include <cstdio>
+#include <cstdlib>
+#include <map>
+#include <memory>
+#include <mutex>
+#include <random>
+#include <string>
+#include <thread>
+#include <unordered_map>
+#include <vector>
+
+#include <arpa/inet.h>
+#include <asio/posix/stream_descriptor.hpp>
+#include <fcntl.h>
+#include <ifaddrs.h>
+#include <net/if.h>
+#include <netinet/in.h>
+
+namespace kvlink::rdma {
+
+class fabric;
+class path;
+
+namespace detail {
+
+inline std::uint32_t random_psn() {
+  static thread_local std::mt19937 gen{std::random_device{}()};
+  return gen() & 0xffffffU;
+}
+
+/// The IPv4 prefix length of `ipv4` on `netdev` (0 when not found).
+inline int ipv4_prefix(const std::string& netdev, const std::string& ipv4) {
+  ifaddrs* list = nullptr;
+  if (getifaddrs(&list) != 0) return 0;
+  int prefix = 0;
+  for (ifaddrs* a = list; a; a = a->ifa_next) {
+    if (!a->ifa_addr || !a->ifa_netmask || a->ifa_addr->sa_family != AF_INET) continue;
+    if (netdev != a->ifa_name) continue;
+    char buf[INET_ADDRSTRLEN] = {};
+    const auto* sin = reinterpret_cast<const sockaddr_in*>(a->ifa_addr);
+    inet_ntop(AF_INET, &sin->sin_addr, buf, sizeof buf);
+    if (ipv4 != buf) continue;
+    const auto* mask = reinterpret_cast<const sockaddr_in*>(a->ifa_netmask);
+    prefix = __builtin_popcount(ntohl(mask->sin_addr.s_addr));
+    break;
+  }
+  freeifaddrs(list);
+  return prefix;
+}
+
+inline std::optional<std::uint32_t> parse_ipv4(const std::string& s) {
+  in_addr a{};
+  if (inet_pton(AF_INET, s.c_str(), &a) != 1) return std::nullopt;
+  return ntohl(a.s_addr);
+}
+
+/// A GID as eight groups of four hex digits (the sysfs form; parse_gid()
+/// reads it back whatever the address family).
+inline std::string gid_wire(const gid_bytes& g) {
+  std::string out;
+  static constexpr char hex[] = "0123456789abcdef";
+  for (std::size_t i = 0; i < g.size(); ++i) {
+    if (i > 0 && i % 2 == 0) out += ':';
+    out += hex[g[i] >> 4];
+    out += hex[g[i] & 0xf];
+  }
+  return out;
+}
+
+inline std::string ipv4_of(const gid_bytes& g) {
+  if (!is_ipv4_mapped(g)) return {};
+  char buf[INET_ADDRSTRLEN] = {};
+  inet_ntop(AF_INET, g.data() + 12, buf, sizeof buf);
+  return buf;
+}
+
+}  // namespace detail
+
+/// A port of the peer, as its descriptor describes it.
+struct remote_port {
+  std::string device;
+  gid_bytes gid{};
+  int mtu = 1024;
+  std::string ipv4;
+  int prefix = 0;
+};
+
+/// Parses the "rdma" entry of a peer descriptor; false when it is malformed.
+inline bool parse_remote_ports(const nlohmann::json& entry, std::vector<remote_port>& out,
+                               std::string& why) {
+  out.clear();
+  const auto it = entry.is_object() ? entry.find("ports") : entry.end();
+  if (it == entry.end() || !it->is_array() || it->empty() || it->size() > 64) {
+    why = "the peer's rdma entry has no valid port list";
+    return false;
+  }
+  for (const auto& p : *it) {
+    remote_port r;
+    std::string gid;
+    unsigned mtu = 0, prefix = 0;
+    if (!p.is_object() || !control::get_field(p, "gid", gid) ||
+        !control::get_field(p, "mtu", mtu) || mtu > 4096 ||
+        !mtu_from_bytes(static_cast<int>(mtu))) {
+      why = "a port in the peer's rdma entry is malformed";
+      return false;
+    }
+    const auto g = parse_gid(gid);
+    if (!g) {
+      why = "a port in the peer's rdma entry has a malformed GID";
+      return false;
+    }
+    r.gid = *g;
+    r.mtu = static_cast<int>(mtu);
+    (void)control::get_field(p, "device", r.device);
+    (void)control::get_field(p, "ipv4", r.ipv4);
+    if (control::get_field(p, "prefix", prefix) && prefix <= 32)
+      r.prefix = static_cast<int>(prefix);
+    out.push_back(std::move(r));
+  }
+  return true;
+}
+
+/// For each local port (IPv4 and prefix), the peer's port on the same
+/// subnet, else the one with the same index (modulo the peer's count).
+inline std::vector<std::size_t> pair_ports(const std::vector<std::pair<std::string, int>>& local,
+                                           const std::vector<remote_port>& remote) {
+  std::vector<std::size_t> out;
+  if (remote.empty()) return out;
+  for (std::size_t i = 0; i < local.size(); ++i) {
+    std::size_t pick = i % remote.size();
+    const auto mine = detail::parse_ipv4(local[i].first);
+    const int prefix = local[i].second;
+    if (mine && prefix > 0 && prefix <= 32) {
+      const std::uint32_t mask = prefix == 32 ? 0xffffffffU : ~(0xffffffffU >> prefix);
+      for (std::size_t j = 0; j < remote.size(); ++j) {
+        const auto theirs = detail::parse_ipv4(remote[j].ipv4);
+        if (theirs && (*theirs & mask) == (*mine & mask)) {
+          pick = j;
+          break;
+        }
+      }
+    }
+    out.push_back(pick);
+  }
+  return out;
+}
+
+/// One local port: its verbs objects, completion polling and the queue
+/// pairs whose completions land in its queue.
+struct port_state {
+  rdma_port info;
+  ::kvlink::rdma::context ctx;
+  protection_domain pd;
+  completion_channel channel;
+  completion_queue cq;
+  std::size_t cq_capacity = 0;
+  std::size_t outstanding = 0;  // work requests posted, not completed (all paths)
+  std::uint8_t max_init_rd = 1;
+  std::uint8_t max_dest_rd = 1;
+  std::string ipv4;
+  int prefix = 0;
+  std::unique_ptr<asio::posix::stream_descriptor> fd;
+  struct owner {
+    std::weak_ptr<path> p;
+    std::uint32_t rail = 0;
+    std::uint32_t qp = 0;
+  };
+  std::unordered_map<std::uint32_t, owner> qps;  // qp_num -> its path
+};
+
+// ------------------------------------------------------------------ path
+
+/// The data path to one peer: rails x queue pairs.
+class path final : public ::kvlink::detail::fabric_path, public std::enable_shared_from_this<path> {
+ public:
+  path(std::shared_ptr<fabric> f, ::kvlink::detail::transport_host& host,
+       ::kvlink::detail::path_context ctx, std::vector<remote_port> remote,
+       std::vector<std::size_t> pairing);
+  ~path() override;
+
+  void start() override {}
+  void enqueue(const ::kvlink::detail::slice_ref& s) override { queue_.push_back({s, 0}); }
+  void pump() override;
+  std::size_t drop_queued(const ::kvlink::detail::transfer_op* op) override {
+    const auto before = queue_.size();
+    std::erase_if(queue_, [op](const pending& p) { return p.s.op == op; });
+    return before - queue_.size();
+  }
+  bool has_in_flight(const ::kvlink::detail::transfer_op* op) const override {
+    for (const auto& r : rails_)
+      for (const auto& q : r.qps)
+        for (const auto& p : q.inflight)
+          if (p.p.s.op == op) return true;
+    return false;
+  }
+  void fail(std::error_code ec) override;
+  void on_control(const nlohmann::json& msg) override;
+
+  /// A completion of one of this path's queue pairs (from its port's poller).
+  void on_completion(std::uint32_t rail, std::uint32_t qp, const ibv_wc& wc);
+
+  /// Rail states, for tests and diagnostics.
+  std::vector<rail_state> rail_states() const {
+    std::vector<rail_state> out;
+    for (const auto& r : rails_) out.push_back(r.health.state());
+    return out;
+  }
+
+ private:
+  struct pending {
+    ::kvlink::detail::slice_ref s;
+    unsigned tries = 0;
+    int avoid_rail = -1;  // the rail it last failed on
+  };
+  struct posted {
+    pending p;
+    std::uint64_t wr_id = 0;
+  };
+  struct qp_slot {
+    queue_pair qp;
+    std::uint32_t psn = 0;
+    std::deque<posted> inflight;
+    std::uint64_t bytes = 0;
+  };
+  struct rail {
+    std::size_t port = 0;         // index into the fabric's ports
+    std::size_t remote_port = 0;  // index into remote_
+    rail_health health;
+    std::vector<qp_slot> qps;
+    std::unique_ptr<asio::steady_timer> timer;  // connect timeout, then backoff
+  };
+
+  void connect_rail(std::uint32_t r);
+  void rail_failed(std::uint32_t r, std::error_code ec, bool counts = true);
+  void teardown(std::uint32_t r, std::error_code ec, failure_kind kind);
+  void requeue_or_fail(pending p, std::error_code ec, failure_kind kind, std::uint32_t on_rail);
+  bool port_active(std::size_t port) const;
+  void post_queued();
+  void check_stranded();
+  unsigned max_tries() const noexcept { return static_cast<unsigned>(rails_.size()) + 1; }
+
+  std::shared_ptr<fabric> fabric_;
+  ::kvlink::detail::transport_host& host_;
+  ::kvlink::detail::path_context ctx_;
+  std::vector<remote_port> remote_;
+  std::vector<rail> rails_;
+  std::deque<pending> queue_;
+  std::vector<qp_load> loads_;
+  std::error_code last_error_;
+  bool failed_ = false;
+};
+
+// ------------------------------------------------------------------ fabric
+
+class fabric final : public ::kvlink::detail::fabric, public std::enable_shared_from_this<fabric> {
+ public:
+  fabric(const config& cfg, asio::any_io_executor strand) : cfg_(cfg), strand_(std::move(strand)) {
+    discovery_options opt;
+    if (cfg_.rdma_gid_index >= 0) opt.gid_index = cfg_.rdma_gid_index;
+    std::error_code ec;
+    auto found = discover(opt, ec);
+    if (ec) {
+      reason_ = ec == errc::no_device ? "no usable RDMA device" : ec.message();
+      for (const auto& s : found.skipped) reason_ += "; " + s;
+      return;
+    }
+    const auto wanted = split_names(cfg_.rdma_devices);
+    devices_ = device_list::open(ec);
+    if (ec) {
+      reason_ = ec.message();
+      return;
+    }
+    for (auto& p : found.ports) {
+      if (!wanted.empty() &&
+          std::find(wanted.begin(), wanted.end(), p.port.device) == wanted.end()) {
+        continue;
+      }
+      try {
+        open_port(std::move(p));
+      } catch (const std::system_error& e) {
+        reason_ += std::string(reason_.empty() ? "" : "; ") + e.what();
+      }
+    }
+    if (ports_.empty()) {
+      if (reason_.empty()) {
+        reason_ = wanted.empty() ? "no usable RDMA port"
+                                 : "none of the devices in config.rdma_devices ('" +
+                                       cfg_.rdma_devices + "') has a usable port";
+      }
+      return;
+    }
+    reason_.clear();
+    available_ = true;
+    if (!quiet()) {
+      for (const auto& p : ports_)
+        std::fprintf(stderr, "kvlink: rdma: %s\n", p->info.gid.reason.c_str());
+    }
+  }
+
+  ~fabric() override {
+    shutdown();
+    for (auto& p : ports_) {
+      if (p->fd) p->fd->release();  // the completion channel owns the fd
+    }
+  }
+
+  std::string_view name() const noexcept override { return "rdma"; }
+  bool available() const noexcept override { return available_; }
+  const std::string& unavailable_reason() const noexcept override { return reason_; }
+  const config& cfg() const noexcept { return cfg_; }
+  const asio::any_io_executor& strand() const noexcept { return strand_; }
+  std::vector<std::unique_ptr<port_state>>& ports() noexcept { return ports_; }
+  std::uint64_t next_wr_id() noexcept { return ++wr_ids_; }
+
+  void start() override {
+    for (std::size_t i = 0; i < ports_.size(); ++i) {
+      asio::co_spawn(strand_, poll_loop(shared_from_this(), i), asio::detached);
+    }
+  }
+
+  nlohmann::json describe() const override {
+    auto arr = nlohmann::json::array();
+    for (const auto& p : ports_) {
+      arr.push_back({{"device", p->info.port.device},
+                     {"port", p->info.port.port},
+                     {"gid", detail::gid_wire(p->info.gid.gid)},
+                     {"gid_index", p->info.gid.index},
+                     {"why", p->info.gid.reason},
+                     {"mtu", static_cast<unsigned>(mtu_bytes(p->info.port.active_mtu))},
+                     {"ipv4", p->ipv4},
+                     {"prefix", static_cast<unsigned>(p->prefix)}});
+    }
+    return {{"ports", std::move(arr)}};
+  }
+
+  std::error_code register_memory(segment_id id, void* base, std::uint64_t length, access granted,
+                                  std::string& what) override {
+    const int flags = IBV_ACCESS_LOCAL_WRITE | to_ibv_access(granted);
+    std::vector<memory_region> mrs(ports_.size());
+    std::vector<std::error_code> errs(ports_.size());
+    auto one = [&](std::size_t i) {
+      mrs[i] = memory_region(ports_[i]->pd, base, static_cast<std::size_t>(length), flags, errs[i]);
+    };
+    // Pinning is per device: the devices work in parallel.
+    std::vector<std::thread> helpers;
+    for (std::size_t i = 1; i < ports_.size(); ++i) helpers.emplace_back(one, i);
+    if (!ports_.empty()) one(0);
+    for (auto& t : helpers) t.join();
+    for (std::size_t i = 0; i < ports_.size(); ++i) {
+      if (errs[i]) {
+        what = "ibv_reg_mr(segment " + std::to_string(id.value()) + " on " +
+               ports_[i]->info.port.device + "): " + errs[i].message();
+        return errs[i];
+      }
+    }
+    std::lock_guard lock{mr_mutex_};
+    mrs_[id] = std::move(mrs);
+    return {};
+  }
+
+  void unregister_memory(segment_id id) override {
+    std::vector<memory_region> gone;
+    {
+      std::lock_guard lock{mr_mutex_};
+      auto it = mrs_.find(id);
+      if (it == mrs_.end()) return;
+      gone = std::move(it->second);
+      mrs_.erase(it);
+    }
+    // ibv_dereg_mr runs here, outside the lock.
+  }
+
+  std::vector<std::uint32_t> rkeys(segment_id id) const override {
+    std::lock_guard lock{mr_mutex_};
+    std::vector<std::uint32_t> out;
+    if (auto it = mrs_.find(id); it != mrs_.end()) {
+      for (const auto& m : it->second) out.push_back(m.rkey());
+    }
+    return out;
+  }
+
+  std::optional<std::uint32_t> lkey(std::uint64_t segment, std::size_t port) const {
+    std::lock_guard lock{mr_mutex_};
+    auto it = mrs_.find(segment_id{segment});
+    if (it == mrs_.end() || port >= it->second.size()) return std::nullopt;
+    return it->second[port].lkey();
+  }
+
+  bool reachable(const nlohmann::json& remote, std::string& why) const override {
+    std::vector<remote_port> ports;
+    return available_ && parse_remote_ports(remote, ports, why);
+  }
+
+  std::shared_ptr<::kvlink::detail::fabric_path> make_path(
+      const nlohmann::json& remote, ::kvlink::detail::transport_host& host,
+      ::kvlink::detail::path_context ctx) override {
+    std::vector<remote_port> ports;
+    std::string why;
+    parse_remote_ports(remote, ports, why);  // checked by reachable()
+    std::vector<std::pair<std::string, int>> local;
+    for (const auto& p : ports_) local.emplace_back(p->ipv4, p->prefix);
+    auto pairing = pair_ports(local, ports);
+    return std::make_shared<path>(shared_from_this(), host, std::move(ctx), std::move(ports),
+                                  std::move(pairing));
+  }
+
+  std::optional<nlohmann::json> on_request(const void* session,
+                                           const nlohmann::json& msg) override {
+    if (msg.value("type", std::string{}) != "rdma_connect") return std::nullopt;
+    std::uint32_t rail = 0, gen = 0;
+    if (!control::get_field(msg, "rail", rail) || !control::get_field(msg, "gen", gen)) {
+      return reject(0, 0, errc::malformed_message, "rdma_connect without rail/gen");
+    }
+    std::string what;
+    std::vector<queue_pair> qps;
+    nlohmann::json answer = nlohmann::json::array();
+    std::uint8_t dest_rd = 1;
+    if (auto ec = accept_qps(session, msg, rail, qps, answer, dest_rd, what)) {
+      return reject(rail, gen, ec, what);
+    }
+    auto& slot = accepted_[{session, rail}];
+    slot = std::move(qps);  // a rebuilt rail replaces its old queue pairs
+    return nlohmann::json{{"type", "rdma_accept"},
+                          {"rail", rail},
+                          {"gen", gen},
+                          {"qps", std::move(answer)},
+                          {"rd_atomic", dest_rd}};
+  }
+
+  void session_closed(const void* session) override {
+    for (auto it = accepted_.begin(); it != accepted_.end();) {
+      it = it->first.first == session ? accepted_.erase(it) : std::next(it);
+    }
+  }
+
+  void shutdown() override {
+    if (stopped_) return;
+    stopped_ = true;
+    accepted_.clear();
+    for (auto& p : ports_) {
+      if (p->fd) {
+        std::error_code ignored;
+        p->fd->cancel(ignored);
+      }
+    }
+  }
+
+ private:
+  static bool quiet() {
+    const char* q = std::getenv("KVLINK_QUIET");
+    return q && *q && std::string_view{q} != "0";
+  }
+
+  static std::vector<std::string> split_names(const std::string& s) {
+    std::vector<std::string> out;
+    std::size_t start = 0;
+    while (start <= s.size()) {
+      const auto comma = s.find(',', start);
+      auto name = s.substr(start, comma == std::string::npos ? std::string::npos : comma - start);
+      if (!name.empty()) out.push_back(std::move(name));
+      if (comma == std::string::npos) break;
+      start = comma + 1;
+    }
+    return out;
+  }
+
+  void open_port(rdma_port p) {
+    auto ps = std::make_unique<port_state>();
+    ibv_device* dev = devices_.find(p.port.device);
+    if (!dev) throw std::system_error(make_error_code(errc::no_device), p.port.device);
+    ps->ctx = ::kvlink::rdma::context{dev};
+    ps->pd = protection_domain{ps->ctx};
+    ps->channel = completion_channel{ps->ctx};
+    const ibv_device_attr attr = ps->ctx.query_device();
+    const int depth = std::min(attr.max_cqe, 16384);
+    ps->cq = completion_queue{ps->ctx, depth, &ps->channel};
+    ps->cq_capacity = static_cast<std::size_t>(ps->cq.capacity());
+    ps->max_init_rd = static_cast<std::uint8_t>(std::clamp(attr.max_qp_init_rd_atom, 1, 16));
+    ps->max_dest_rd = static_cast<std::uint8_t>(std::clamp(attr.max_qp_rd_atom, 1, 16));
+    ps->ipv4 = detail::ipv4_of(p.gid.gid);
+    if (!ps->ipv4.empty()) ps->prefix = detail::ipv4_prefix(p.gid.netdev, ps->ipv4);
+    const int fd = ps->channel.fd();
+    const int fl = ::fcntl(fd, F_GETFL);
+    if (fl >= 0) ::fcntl(fd, F_SETFL, fl | O_NONBLOCK);
+    ps->fd = std::make_unique<asio::posix::stream_descriptor>(strand_, fd);
+    ps->info = std::move(p);
+    ports_.push_back(std::move(ps));
+  }
+
+  static nlohmann::json reject(std::uint32_t rail, std::uint32_t gen, std::error_code ec,
+                               const std::string& what) {
+    return {{"type", "rdma_reject"},
+            {"rail", rail},
+            {"gen", gen},
+            {"code", static_cast<unsigned>(ec.category() == error_category()
+                                               ? ec.value()
+                                               : static_cast<int>(errc::transport_unavailable))},
+            {"message", what.empty() ? ec.message() : what}};
+  }
+
+  std::error_code accept_qps(const void* session, const nlohmann::json& msg, std::uint32_t rail,
+                             std::vector<queue_pair>& qps, nlohmann::json& answer,
+                             std::uint8_t& dest_rd, std::string& what) {
+    std::uint32_t port_index = 0;
+    unsigned mtu = 0;
+    std::string gid_text;
+    if (!control::get_field(msg, "port", port_index) || port_index >= ports_.size()) {
+      what = "rdma_connect names no port of this engine";
+      return errc::malformed_message;
+    }
+    if (!control::get_field(msg, "mtu", mtu) || mtu > 4096 ||
+        !mtu_from_bytes(static_cast<int>(mtu)) || !control::get_field(msg, "gid", gid_text) ||
+        !parse_gid(gid_text)) {
+      what = "rdma_connect with a malformed mtu or gid";
+      return errc::malformed_message;
+    }
+    const auto it = msg.find("qps");
+    if (it == msg.end() || !it->is_array() || it->empty() || it->size() > 64) {
+      what = "rdma_connect needs 1 to 64 queue pairs";
+      return errc::malformed_message;
+    }
+    if (rail >= 1024 || (accepted_.size() >= 4096 && !accepted_.contains({session, rail}))) {
+      what = "too many rails";
+      return errc::queue_full;
+    }
+    auto& p = *ports_[port_index];
+    const ibv_gid remote_gid = to_ibv_gid(*parse_gid(gid_text));
+    const ibv_mtu path = path_mtu(p.info.port.active_mtu, *mtu_from_bytes(static_cast<int>(mtu)));
+    dest_rd = p.max_dest_rd;
+    for (const auto& q : *it) {
+      std::uint32_t qpn = 0, psn = 0;
+      if (!q.is_object() || !control::get_field(q, "qpn", qpn) ||
+          !control::get_field(q, "psn", psn) || qpn > 0xffffffU || psn > 0xffffffU) {
+        what = "rdma_connect with a malformed queue pair";
+        return errc::malformed_message;
+      }
+      std::error_code ec;
+      queue_pair qp{p.pd, p.cq, p.cq, qp_capacity{1, 1, 1, 1, 0}, IBV_QPT_RC, ec};
+      if (ec) {
+        what = "ibv_create_qp: " + ec.message();
+        return ec;
+      }
+      const std::uint32_t mine = detail::random_psn();
+      qp.to_init(p.info.port.port,
+                 IBV_ACCESS_LOCAL_WRITE | IBV_ACCESS_REMOTE_WRITE | IBV_ACCESS_REMOTE_READ, ec);
+      rtr_params rtr;
+      rtr.remote_qpn = qpn;
+      rtr.remote_psn = psn;
+      rtr.remote_gid = remote_gid;
+      rtr.sgid_index = static_cast<std::uint8_t>(p.info.gid.index);
+      rtr.port = p.info.port.port;
+      rtr.mtu = path;
+      rtr.max_dest_rd_atomic = dest_rd;
+      if (!ec) qp.to_rtr(rtr, ec);
+      rts_params rts;
+      rts.psn = mine;
+      if (!ec) qp.to_rts(rts, ec);
+      if (ec) {
+        what = "ibv_modify_qp(target QP " + std::to_string(qp.qp_num()) + "): " + ec.message();
+        return ec;
+      }
+      answer.push_back({{"qpn", qp.qp_num()}, {"psn", mine}});
+      qps.push_back(std::move(qp));
+    }
+    return {};
+  }
+
+  static asio::awaitable<void> poll_loop(std::shared_ptr<fabric> self, std::size_t index) {
+    constexpr int spin_limit = 64;  // empty polls with work outstanding before parking
+    auto& p = *self->ports_[index];
+    std::array<ibv_wc, 32> wcs{};
+    int empty = 0;
+    for (;;) {
+      if (self->stopped_) break;
+      std::error_code ec;
+      auto n = p.cq.poll(wcs, ec);
+      if (ec) n = 0;
+      if (n > 0) {
+        empty = 0;
+        self->dispatch(p, std::span<const ibv_wc>(wcs.data(), n));
+        if (n == wcs.size()) continue;  // more may be waiting
+        co_await asio::post(self->strand_, asio::use_awaitable);
+        continue;
+      }
+      if (p.outstanding > 0 && ++empty < spin_limit) {
+        co_await asio::post(self->strand_, asio::use_awaitable);
+        continue;
+      }
+      empty = 0;
+      // Park: arm the queue, poll once more (a completion may have arrived
+      // before arming), then wait for the channel's event.
+      if (p.cq.request_notify()) {
+        co_await asio::post(self->strand_, asio::use_awaitable);
+        continue;
+      }
+      n = p.cq.poll(wcs, ec);
+      if (!ec && n > 0) {
+        self->dispatch(p, std::span<const ibv_wc>(wcs.data(), n));
+        continue;
+      }
+      auto [wec] = co_await p.fd->async_wait(asio::posix::stream_descriptor::wait_read,
+                                             ::kvlink::detail::use_nothrow);
+      if (self->stopped_ || wec == asio::error::operation_aborted) break;
+      // Each event is acknowledged at once: ibv_destroy_cq waits for every
+      // event taken from the channel to be acknowledged, and this coroutine
+      // may never run again after the engine is gone.
+      std::error_code gec;
+      while (p.channel.get_event(gec) != nullptr) p.cq.ack_events(1);
+    }
+    if (p.fd) p.fd->release();  // the completion channel owns the fd
+  }
+
+  void dispatch(port_state& p, std::span<const ibv_wc> wcs) {
+    for (const auto& wc : wcs) {
+      auto it = p.qps.find(wc.qp_num);
+      if (it == p.qps.end()) continue;  // a queue pair torn down already
+      auto owner = it->second;
+      if (auto path = owner.p.lock()) path->on_completion(owner.rail, owner.qp, wc);
+    }
+  }
+
+  config cfg_;
+  asio::any_io_executor strand_;
+  bool available_ = false;
+  bool stopped_ = false;
+  std::string reason_;
+  device_list devices_;
+  std::vector<std::unique_ptr<port_state>> ports_;
+  mutable std::mutex mr_mutex_;
+  std::unordered_map<segment_id, std::vector<memory_region>> mrs_;
+  std::map<std::pair<const void*, std::uint32_t>, std::vector<queue_pair>> accepted_;
+  std::uint64_t wr_ids_ = 0;
+};
+
+// ------------------------------------------------------------------ path impl
+
+inline path::path(std::shared_ptr<fabric> f, ::kvlink::detail::transport_host& host,
+                  ::kvlink::detail::path_context ctx, std::vector<remote_port> remote,
+                  std::vector<std::size_t> pairing)
+    : fabric_(std::move(f)), host_(host), ctx_(std::move(ctx)), remote_(std::move(remote)) {
+  for (std::size_t i = 0; i < pairing.size(); ++i) {
+    rail r;
+    r.port = i;
+    r.remote_port = pairing[i];
+    r.timer = std::make_unique<asio::steady_timer>(fabric_->strand());
+    rails_.push_back(std::move(r));
+  }
+}
+
+inline path::~path() {
+  for (std::uint32_t r = 0; r < rails_.size(); ++r) {
+    auto& rl = rails_[r];
+    auto& port = *fabric_->ports()[rl.port];
+    for (auto& q : rl.qps) {
+      if (q.qp) port.qps.erase(q.qp.qp_num());
+      port.outstanding -= std::min(port.outstanding, q.inflight.size());
+    }
+  }
+}
+
+inline void path::pump() {
+  if (failed_ || queue_.empty()) return;
+  for (std::uint32_t r = 0; r < rails_.size(); ++r) {
+    if (rails_[r].health.state() != rail_state::idle) continue;
+    if (!port_active(rails_[r].port)) {
+      // Link down here (ip link set ... down): stay paused, look again later.
+      if (rails_[r].health.begin_connect()) {
+        rail_failed(r, std::make_error_code(std::errc::network_down));
+      }
+      continue;
+    }
+    connect_rail(r);
+  }
+  post_queued();
+  check_stranded();
+}
+
+inline void path::connect_rail(std::uint32_t r) {
+  auto& rl = rails_[r];
+  const auto gen = rl.health.begin_connect();
+  if (!gen) return;
+  auto& port = *fabric_->ports()[rl.port];
+  const auto& cfg = fabric_->cfg();
+  rl.qps.clear();
+  nlohmann::json qps = nlohmann::json::array();
+  for (std::uint32_t i = 0; i < cfg.rdma_qps_per_endpoint; ++i) {
+    std::error_code ec;
+    qp_slot slot;
+    slot.qp = queue_pair{port.pd,    port.cq, port.cq, qp_capacity{cfg.rdma_max_wr, 1, 1, 1, 0},
+                         IBV_QPT_RC, ec};
+    if (!ec) slot.qp.to_init(port.info.port.port, IBV_ACCESS_LOCAL_WRITE, ec);
+    if (ec) {
+      rail_failed(r, ec);
+      return;
+    }
+    slot.psn = detail::random_psn();
+    port.qps[slot.qp.qp_num()] = port_state::owner{weak_from_this(), r, i};
+    qps.push_back({{"qpn", slot.qp.qp_num()}, {"psn", slot.psn}});
+    rl.qps.push_back(std::move(slot));
+  }
+  ctx_.send({{"type", "rdma_connect"},
+             {"rail", r},
+             {"gen", *gen},
+             {"port", rl.remote_port},
+             {"gid", detail::gid_wire(port.info.gid.gid)},
+             {"mtu", static_cast<unsigned>(mtu_bytes(port.info.port.active_mtu))},
+             {"qps", std::move(qps)}});
+  rl.timer->expires_after(cfg.connect_timeout);
+  rl.timer->async_wait([w = weak_from_this(), r, g = *gen](std::error_code ec) {
+    auto self = w.lock();
+    if (ec || !self || self->failed_) return;
+    auto& h = self->rails_[r].health;
+    if (h.state() == rail_state::connecting && h.generation() == g) {
+      self->rail_failed(r, errc::peer_unreachable);
+    }
+  });
+}
+
+inline void path::on_control(const nlohmann::json& msg) {
+  if (failed_) return;
+  std::uint32_t r = 0, gen = 0;
+  if (!control::get_field(msg, "rail", r) || !control::get_field(msg, "gen", gen) ||
+      r >= rails_.size()) {
+    return;  // not ours
+  }
+  auto& rl = rails_[r];
+  if (rl.health.state() != rail_state::connecting || rl.health.generation() != gen) return;
+  const auto type = msg.value("type", std::string{});
+  if (type == "rdma_reject") {
+    unsigned code = 0;
+    if (!control::get_field(msg, "code", code) || code == 0 ||
+        code > static_cast<unsigned>(errc::instance_changed)) {
+      code = static_cast<unsigned>(errc::transport_unavailable);
+    }
+    rail_failed(r, make_error_code(static_cast<errc>(code)));
+    return;
+  }
+  if (type != "rdma_accept") return;
+  const auto it = msg.find("qps");
+  unsigned rd = 1;
+  if (!control::get_field(msg, "rd_atomic", rd)) rd = 1;
+  if (it == msg.end() || !it->is_array() || it->size() != rl.qps.size()) {
+    rail_failed(r, errc::malformed_message);
+    return;
+  }
+  auto& port = *fabric_->ports()[rl.port];
+  const auto& rp = remote_[rl.remote_port];
+  for (std::size_t i = 0; i < rl.qps.size(); ++i) {
+    const auto& q = (*it)[i];
+    std::uint32_t qpn = 0, psn = 0;
+    if (!q.is_object() || !control::get_field(q, "qpn", qpn) ||
+        !control::get_field(q, "psn", psn)) {
+      rail_failed(r, errc::malformed_message);
+      return;
+    }
+    rtr_params rtr;
+    rtr.remote_qpn = qpn;
+    rtr.remote_psn = psn;
+    rtr.remote_gid = to_ibv_gid(rp.gid);
+    rtr.sgid_index = static_cast<std::uint8_t>(port.info.gid.index);
+    rtr.port = port.info.port.port;
+    rtr.mtu = path_mtu(port.info.port.active_mtu, *mtu_from_bytes(rp.mtu));
+    rts_params rts;
+    rts.psn = rl.qps[i].psn;
+    rts.max_rd_atomic = static_cast<std::uint8_t>(std::clamp<unsigned>(rd, 1, port.max_init_rd));
+    std::error_code ec;
+    rl.qps[i].qp.to_rtr(rtr, ec);
+    if (!ec) rl.qps[i].qp.to_rts(rts, ec);
+    if (ec) {
+      rail_failed(r, ec);
+      return;
+    }
+  }
+  rl.timer->cancel();
+  rl.health.connected(gen);
+  pump();
+}
+
+inline void path::rail_failed(std::uint32_t r, std::error_code ec, bool counts) {
+  auto& rl = rails_[r];
+  last_error_ = ec;
+  teardown(r, ec, failure_kind::rail);
+  const auto backoff = rl.health.failed(rl.health.generation(), ec, counts);
+  if (backoff) {
+    rl.timer->cancel();
+    rl.timer->expires_after(*backoff);
+    rl.timer->async_wait([w = weak_from_this(), r](std::error_code tec) {
+      auto self = w.lock();
+      if (tec || !self || self->failed_) return;
+      if (self->rails_[r].health.resume()) self->pump();
+    });
+  }
+  post_queued();
+  check_stranded();
+}
+
+inline void path::teardown(std::uint32_t r, std::error_code ec, failure_kind kind) {
+  auto& rl = rails_[r];
+  auto& port = *fabric_->ports()[rl.port];
+  std::vector<pending> orphans;
+  for (auto& q : rl.qps) {
+    if (q.qp) {
+      std::error_code ignored;
+      q.qp.to_error(ignored);
+      port.qps.erase(q.qp.qp_num());
+      q.qp = queue_pair{};  // ibv_destroy_qp: the device no longer touches its buffers
+    }
+    port.outstanding -= std::min(port.outstanding, q.inflight.size());
+    for (auto& p : q.inflight) orphans.push_back(p.p);
+    q.inflight.clear();
+    q.bytes = 0;
+  }
+  rl.qps.clear();
+  // Oldest first at the front of the queue, in their original order.
+  for (auto it = orphans.rbegin(); it != orphans.rend(); ++it) requeue_or_fail(*it, ec, kind, r);
+}
+
+inline void path::requeue_or_fail(pending p, std::error_code ec, failure_kind kind,
+                                  std::uint32_t on_rail) {
+  const bool stopping = p.s.op->stopping || failed_;
+  if (fate_of(kind, p.tries, max_tries(), stopping) == slice_fate::fail) {
+    host_.slice_done(p.s.op, 0, ec);
+  } else {
+    p.avoid_rail = static_cast<int>(on_rail);
+    queue_.push_front(p);
+  }
+}
+
+inline bool path::port_active(std::size_t port) const {
+  auto& ps = *fabric_->ports()[port];
+  try {
+    return ps.ctx.query_port(ps.info.port.port).state == IBV_PORT_ACTIVE;
+  } catch (const std::system_error&) {
+    return false;
+  }
+}
+
+inline void path::post_queued() {
+  if (failed_) return;
+  auto& ports = fabric_->ports();
+  const auto& cfg = fabric_->cfg();
+  while (!queue_.empty()) {
+    loads_.clear();
+    for (const auto& rl : rails_) {
+      const auto& port = *ports[rl.port];
+      for (const auto& q : rl.qps) {
+        loads_.push_back(qp_load{rl.health.usable(), static_cast<std::uint32_t>(q.inflight.size()),
+                                 cfg.rdma_max_wr, q.bytes, port.outstanding >= port.cq_capacity});
+      }
+    }
+    // A slice retried after a failure goes to another rail when one has room.
+    if (const int avoid = queue_.front().avoid_rail; avoid >= 0) {
+      std::size_t first = 0;
+      for (std::size_t r = 0; r < rails_.size(); ++r) {
+        const auto n = rails_[r].qps.size();
+        if (static_cast<int>(r) == avoid) {
+          std::vector<qp_load> others = loads_;
+          for (std::size_t i = first; i < first + n; ++i) others[i].usable = false;
+          if (pick_qp(others)) loads_ = std::move(others);
+        }
+        first += n;
+      }
+    }
+    const auto pick = pick_qp(loads_);
+    if (!pick) return;
+    std::uint32_t r = 0;
+    std::size_t qi = *pick;
+    while (qi >= rails_[r].qps.size()) qi -= rails_[r].qps.size(), ++r;
+    auto& rl = rails_[r];
+    auto& slot = rl.qps[qi];
+    auto& port = *ports[rl.port];
+
+    pending p = queue_.front();
+    queue_.pop_front();
+    const auto& s = p.s;
+    const auto seg = ctx_.cache->get(ctx_.peer, segment_id{s.segment});
+    if (!seg) {
+      host_.slice_done(s.op, 0, errc::not_registered);
+      continue;
+    }
+    if (s.offset > seg->length || s.length > seg->length - s.offset) {
+      host_.slice_done(s.op, 0, errc::out_of_bounds);
+      continue;
+    }
+    if (rl.remote_port >= seg->rkeys.size()) {
+      host_.slice_done(s.op, 0, errc::transport_unavailable);
+      continue;
+    }
+    const auto lkey = fabric_->lkey(s.local_segment, rl.port);
+    if (!lkey) {
+      host_.slice_done(s.op, 0, errc::not_registered);
+      continue;
+    }
+    const std::uint64_t wr_id = fabric_->next_wr_id();
+    const local_buffer local{reinterpret_cast<std::uint64_t>(s.local),
+                             static_cast<std::uint32_t>(s.length), *lkey};
+    const remote_buffer remote{seg->base + s.offset, seg->rkeys[rl.remote_port]};
+    auto wr = s.kind == opcode::write ? rdma_write(wr_id, local, remote)
+                                      : rdma_read(wr_id, local, remote);
+    std::error_code ec;
+    slot.qp.post(wr, ec);
+    if (ec) {
+      queue_.push_front(p);
+      rail_failed(r, ec);
+      return;  // rail_failed posts what is left
+    }
+    ++p.tries;
+    slot.inflight.push_back(posted{p, wr_id});
+    slot.bytes += s.length;
+    ++port.outstanding;
+  }
+}
+
+inline void path::check_stranded() {
+  if (failed_ || queue_.empty()) return;
+  std::vector<const rail_health*> hs;
+  for (const auto& rl : rails_) hs.push_back(&rl.health);
+  if (keep_waiting(hs)) return;
+  const auto ec = last_error_ ? last_error_ : std::error_code{errc::peer_unreachable};
+  auto q = std::move(queue_);
+  queue_.clear();
+  for (auto& p : q) host_.slice_done(p.s.op, 0, ec);
+}
+
+inline void path::on_completion(std::uint32_t r, std::uint32_t qi, const ibv_wc& wc) {
+  if (failed_ || r >= rails_.size() || qi >= rails_[r].qps.size()) return;
+  auto& rl = rails_[r];
+  auto& slot = rl.qps[qi];
+  if (slot.inflight.empty() || slot.inflight.front().wr_id != wc.wr_id) return;  // stale
+  auto done = slot.inflight.front();
+  slot.inflight.pop_front();
+  slot.bytes -= done.p.s.length;
+  auto& port = *fabric_->ports()[rl.port];
+  port.outstanding -= std::min<std::size_t>(port.outstanding, 1);
+  if (wc.status == IBV_WC_SUCCESS) {
+    host_.slice_done(done.p.s.op, done.p.s.length, {});
+    pump();
+    return;
+  }
+  const auto ec = make_wc_error(wc.status);
+  const auto kind = classify(wc.status);
+  requeue_or_fail(done.p, ec, kind, r);
+  // The queue pair is in error now: rebuild the rail (a bad request says
+  // nothing about the rail, so no backoff for it).
+  rail_failed(r, ec, kind == failure_kind::rail);
+}
+
+inline void path::fail(std::error_code ec) {
+  if (failed_) return;
+  failed_ = true;
+  for (std::uint32_t r = 0; r < rails_.size(); ++r) {
+    rails_[r].timer->cancel();
+    teardown(r, ec, failure_kind::rail);  // failed_: every slice is reported, none requeued
+  }
+  auto q = std::move(queue_);
+  queue_.clear();
+  for (auto& p : q) host_.slice_done(p.s.op, 0, ec);
+  if (auto cb = std::move(ctx_.on_failure)) cb(ec);
+}
+
+}  // namespace kvlink::rdma
+
+namespace kvlink {
+
+/// The RDMA transport, as a template argument of basic_engine: RDMA verbs
+/// for peers that have a usable device too, TCP for the handshake, the
+/// control channel and (unless config.allow_tcp_fallback is false) peers
+/// without one.
+struct rdma_transport {
+  static constexpr std::string_view name = "rdma";
+  using lane_type = tcp::lane;
+  using server_type = tcp::lane_server;
+  static std::shared_ptr<detail::fabric> make_fabric(const config& cfg,
+                                                     asio::any_io_executor strand) {
+    return std::make_shared<rdma::fabric>(cfg, std::move(strand));
+  }
+};
+
+/// The engine over RDMA verbs (with TCP beside it), on any executor.
+using rdma_engine = basic_engine<rdma_transport>;
+
+}  // namespace kvlink
