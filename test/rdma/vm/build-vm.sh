@@ -48,8 +48,15 @@ fi
 
 # --- 2. Kernel -----------------------------------------------------------------
 mkdir -p "$vm_dir/deb"
-kpkg=$(apt-cache depends linux-image-amd64 2>/dev/null |
-       awk '/Depends: linux-image-[0-9]/ {print $2; exit}')
+kernel_package() {
+  apt-cache depends linux-image-amd64 2>/dev/null |
+    awk '/Depends: linux-image-[0-9]/ {print $2; exit}'
+}
+kpkg=$(kernel_package)
+if [[ -z $kpkg && $(id -u) == 0 ]]; then
+  # A fresh image may have no package lists yet.
+  apt-get update -qq && kpkg=$(kernel_package)
+fi
 [[ -n $kpkg ]] || die "apt-cache depends linux-image-amd64 names no kernel image package"
 kroot=$vm_dir/kernel/$kpkg
 if [[ ! -f $kroot/.unpacked ]]; then
