@@ -7,6 +7,10 @@
 #
 # Usage: bench-vm.sh PATH/TO/kvlink_rdma_vm_test [SIZE...]   (bytes; default
 #        65536 1048576 16777216)
+# Both use 2 RC queue pairs (kvlink's default rdma_qps_per_endpoint;
+# ib_write_bw -q 2) and one device. ib_write_bw reports its average over
+# max(96 MiB / SIZE, 10) messages; kvlink the median of 3 transfers of
+# 32 MiB cut into SIZE-byte requests.
 set -uo pipefail
 here=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
 bin=${1:?usage: bench-vm.sh PATH/TO/kvlink_rdma_vm_test [SIZE...]}
@@ -23,7 +27,7 @@ if [ "$KVLINK_ROLE" = server ]; then
   kvlink_rdma_vm_test bench-server & srv=$!
   for s in $sizes; do
     n=$((100663296 / s)); [ $n -lt 10 ] && n=10
-    ib_write_bw -d rxe0 -x $gid -p $((18515 + i)) -s $s -n $n -F --report_gbits >/dev/null 2>&1
+    ib_write_bw -d rxe0 -x $gid -p $((18515 + i)) -s $s -n $n -q 2 -F --report_gbits >/dev/null 2>&1
     i=$((i + 1))
   done
   wait $srv
@@ -32,7 +36,7 @@ fi
 for s in $sizes; do
   n=$((100663296 / s)); [ $n -lt 10 ] && n=10
   k=0
-  until out=$(ib_write_bw -d rxe0 -x $gid -p $((18515 + i)) -s $s -n $n -F --report_gbits $KVLINK_PEER0 2>&1); do
+  until out=$(ib_write_bw -d rxe0 -x $gid -p $((18515 + i)) -s $s -n $n -q 2 -F --report_gbits $KVLINK_PEER0 2>&1); do
     k=$((k + 1)); [ $k -ge 40 ] && { echo "ib_write_bw $s failed: $out"; exit 1; }
     sleep 0.5
   done
