@@ -277,6 +277,25 @@ struct client {
                       ec ? ec.message() : "ok", secs, verdict, counter("rxe1", "sent_pkts") - s1));
       // And a transfer after it, on rail 0 alone.
       co_await round_trip(40ull << 20, 2ull << 20, 12);
+      // Rail 1 back up: once its backoff has passed, the next transfer
+      // reconnects it (lazily: that transfer's slices may all go to rail 0,
+      // which is ready first), and the one after is striped again.
+      const int up = std::system("ip link set eth1 up");
+      asio::steady_timer settle(io, 8s);  // link renegotiation + backoff (<= 5 s)
+      co_await settle.async_wait(aw);
+      co_await round_trip(44ull << 20, 1ull << 20, 13);
+      settle.expires_after(1s);
+      co_await settle.async_wait(aw);
+      const auto u1 = counter("rxe1", "sent_pkts");
+      const std::uint64_t off2 = 46ull << 20, len2 = 16ull << 20;
+      fill_pattern(mem.data + off2, len2, 14, off2);
+      auto uec = co_await move(kvlink::opcode::write, off2, off2, len2);
+      const auto uverdict = co_await check(eng, peer, off2, len2, 14);
+      const auto carried = counter("rxe1", "sent_pkts") - u1;
+      report(!uec && uverdict == "ok" && carried > 2000,
+             fmt::format("eth1 up again ({}): 16 MiB WRITE {}, target says {}, rxe1 sent {} "
+                         "packets (the rail is back)",
+                         up, uec ? uec.message() : "ok", uverdict, carried));
     }
     // 4. Fallback to TCP for a peer without a device, and its refusal.
     {
