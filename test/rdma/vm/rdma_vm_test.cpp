@@ -30,6 +30,7 @@
 #include <cstdio>
 #include <cstdlib>
 #include <fstream>
+#include <map>
 #include <memory>
 #include <optional>
 #include <sstream>
@@ -86,8 +87,9 @@ std::uint64_t counter(const std::string& dev, const char* name) {
 
 // ------------------------------------------------------------------ server
 
-asio::awaitable<void> serve_checks(kvlink::rdma_engine& eng, buffer& mem, const char* tag) {
-  std::optional<kvlink::peer> back;
+asio::awaitable<void> serve_checks(kvlink::rdma_engine& eng, buffer& mem, buffer& source,
+                                   const char* tag) {
+  std::map<std::string, kvlink::peer> back;  // answers go to the asking engine
   for (;;) {
     auto [ec, n] = co_await eng.async_receive_notification(aw);
     if (ec) co_return;
@@ -100,27 +102,41 @@ asio::awaitable<void> serve_checks(kvlink::rdma_engine& eng, buffer& mem, const 
       std::printf("server(%s): bye\n", tag);
       std::exit(0);
     }
-    if (n.id != "check") continue;
+    if (n.id != "check" && n.id != "push") continue;
     std::istringstream in(n.payload);
     std::uint64_t off = 0, len = 0, seed = 0;
     in >> off >> len >> seed;
-    std::string verdict = "ok";
-    if (!in || off > mem.size || len > mem.size - off) {
-      verdict = "bad request";
-    } else if (!is_pattern(mem.data + off, len, seed, off)) {
-      verdict = "bad bytes";
-    }
-    if (!back || !back->connected()) {
-      auto [cec, p] = co_await eng.async_connect(n.from_address, aw);
+    auto& p = back[n.from_address];
+    if (!p.connected()) {
+      auto [cec, np] = co_await eng.async_connect(n.from_address, aw);
       if (cec) {
         std::printf("server(%s): cannot answer %s: %s\n", tag, n.from_address.c_str(),
                     cec.message().c_str());
         continue;
       }
-      back = p;
+      p = np;
+    }
+    std::string verdict = "ok";
+    if (n.id == "push") {
+      // WRITE the pattern of seed into the asker's first segment at off: the
+      // asker is writing to us at the same moment, both paths new.
+      if (!in || len > source.size) {
+        verdict = "bad request";
+      } else {
+        fill_pattern(source.data, len, seed, off);
+        std::vector<kvlink::transfer_request> reqs{
+            {kvlink::opcode::write, source.data, p.segment(0), off, len}};
+        auto [tec, r] = co_await eng.async_submit_transfer(reqs, aw);
+        if (tec) verdict = "push failed: " + tec.message();
+        (void)r;
+      }
+    } else if (!in || off > mem.size || len > mem.size - off) {
+      verdict = "bad request";
+    } else if (!is_pattern(mem.data + off, len, seed, off)) {
+      verdict = "bad bytes";
     }
     kvlink::notification answer{"result", verdict};
-    co_await eng.async_send_notification(*back, std::move(answer), aw);
+    co_await eng.async_send_notification(p, std::move(answer), aw);
   }
 }
 
@@ -133,11 +149,13 @@ int run_server() {
   kvlink::rdma_engine plain{io.get_executor(), tcp_only};
   std::printf("server: %s offers %s; %s offers %s\n", rdma.local_address().c_str(),
               rdma.transports().c_str(), plain.local_address().c_str(), plain.transports().c_str());
-  buffer a(server_size), b(server_size);
+  buffer a(server_size), b(server_size), c(8ull << 20), d(8ull << 20);
   rdma.register_segment(a.data, a.size, kvlink::access::remote_read_write);
   plain.register_segment(b.data, b.size, kvlink::access::remote_read_write);
-  asio::co_spawn(io, serve_checks(rdma, a, "rdma"), asio::detached);
-  asio::co_spawn(io, serve_checks(plain, b, "tcp"), asio::detached);
+  rdma.register_segment(c.data, c.size, kvlink::access::none);
+  plain.register_segment(d.data, d.size, kvlink::access::none);
+  asio::co_spawn(io, serve_checks(rdma, a, c, "rdma"), asio::detached);
+  asio::co_spawn(io, serve_checks(plain, b, d, "tcp"), asio::detached);
   std::printf("server: ready\n");
   std::fflush(stdout);
   // The client ends the run (scenario 5 kills this process); a client that
@@ -209,7 +227,13 @@ struct client {
     const auto target = env("KVLINK_PEER0", "127.0.0.1");
     // 1. RDMA chosen; integrity across sizes.
     {
+      // The server may still be starting (a loaded host boots the VMs slowly).
       auto [ec, p] = co_await eng.async_connect(target + ":17001", aw);
+      for (int i = 0; ec == kvlink::errc::peer_unreachable && i < 120; ++i) {
+        asio::steady_timer pause(io, 500ms);
+        co_await pause.async_wait(aw);
+        std::tie(ec, p) = co_await eng.async_connect(target + ":17001", aw);
+      }
       report(!ec, "connect " + target + ":17001" + (ec ? ": " + ec.message() : ""));
       if (ec) co_return;
       peer = p;
@@ -326,6 +350,96 @@ struct client {
              "allow_tcp_fallback = false to a peer without a device: " +
                  (sec ? sec.message() : std::string("connected (wrong)")));
       (void)sp;
+    }
+    // 4b. Both directions at once, both paths new: a fresh engine asks the
+    // server to WRITE into it while it WRITEs to the server; the two
+    // engines' queue-pair set-ups cross.
+    {
+      kvlink::rdma_engine e4{io.get_executor(),
+                             kvlink::config{.listen = env("KVLINK_SELF0", "127.0.0.1") + ":0"}};
+      buffer m4(16ull << 20);
+      e4.register_segment(m4.data, m4.size, kvlink::access::remote_read_write);
+      auto [ec, p] = co_await e4.async_connect(target + ":17001", aw);
+      if (!ec) {
+        const std::uint64_t len = 8ull << 20, mine = 24ull << 20;
+        std::memset(m4.data, 0, len);
+        fill_pattern(m4.data + len, len, 41, mine);
+        kvlink::notification push{"push", fmt::format("{} {} {}", 0, len, 42)};
+        co_await e4.async_send_notification(p, std::move(push), aw);
+        std::vector<kvlink::transfer_request> reqs{
+            {kvlink::opcode::write, m4.data + len, p.segment(0), mine, len}};
+        auto [tec, r] = co_await e4.async_submit_transfer(reqs, aw);
+        auto [rec, pushed] = co_await e4.async_receive_notification(aw);
+        const bool arrived = !rec && pushed.payload == "ok" && is_pattern(m4.data, len, 42, 0);
+        const auto verdict = co_await check(e4, p, mine, len, 41);
+        report(!tec && verdict == "ok" && arrived,
+               fmt::format("8 MiB each way at once on new paths: ours {} (target says {}), "
+                           "theirs {} (bytes {})",
+                           tec ? tec.message() : "ok", verdict,
+                           rec ? rec.message() : pushed.payload, arrived ? "verified" : "WRONG"));
+        (void)r;
+      } else {
+        report(false, "connect for the two-way test: " + ec.message());
+      }
+    }
+    // 4c. Hostile rdma_connect requests on a raw control connection: each is
+    // refused with rdma_reject, and the server goes on serving.
+    {
+      asio::ip::tcp::socket s(io);
+      asio::ip::tcp::resolver res(io);
+      auto [rec, eps] = co_await res.async_resolve(target, "17001", aw);
+      auto [cec, ep] = co_await asio::async_connect(s, eps, aw);
+      (void)ep;
+      nlohmann::json welcome;
+      std::error_code hec = rec ? rec : cec;
+      if (!hec) {
+        hec = co_await kvlink::detail::write_message(
+            s, kvlink::control::make_hello(kvlink::protocol_version, kvlink::make_instance_id(),
+                                           kvlink::control::role::control, 0, std::nullopt,
+                                           "10.77.1.2:1"));
+      }
+      if (!hec) hec = co_await kvlink::detail::read_message(s, 1 << 20, welcome);
+      const auto gid = welcome.value("descriptor", nlohmann::json{})
+                           .value("transports", nlohmann::json{})
+                           .value("rdma", nlohmann::json{})
+                           .value("ports", nlohmann::json::array());
+      const std::string good_gid = gid.empty() ? "" : gid[0].value("gid", std::string{});
+      auto qps = [](std::size_t n, std::uint64_t qpn) {
+        auto a = nlohmann::json::array();
+        for (std::size_t i = 0; i < n; ++i) a.push_back({{"qpn", qpn}, {"psn", 1u}});
+        return a;
+      };
+      auto base = [&](nlohmann::json q) {
+        return nlohmann::json{
+            {"type", "rdma_connect"}, {"rail", 0u},   {"gen", 1u},          {"port", 0u},
+            {"gid", good_gid},        {"mtu", 1024u}, {"qps", std::move(q)}};
+      };
+      std::vector<nlohmann::json> bad;
+      bad.push_back(base(qps(1, 17)));
+      bad.back()["port"] = 99u;
+      bad.push_back(base(qps(1, 17)));
+      bad.back()["mtu"] = 3u;
+      bad.push_back(base(qps(1, 17)));
+      bad.back()["gid"] = "zz";
+      bad.push_back(base(qps(65, 17)));
+      bad.push_back(base(qps(1, 1ull << 25)));
+      bad.push_back(base(qps(1, 17)));
+      bad.back().erase("rail");
+      bad.push_back(base(qps(1, 17)));
+      bad.back()["rail"] = 5000u;
+      bad.push_back(base(nlohmann::json{{"qpn", "x"}}));
+      int rejected = 0;
+      for (auto& m : bad) {
+        if (hec) break;
+        hec = co_await kvlink::detail::write_message(s, m);
+        nlohmann::json reply;
+        if (!hec) hec = co_await kvlink::detail::read_message(s, 1 << 20, reply);
+        if (!hec && reply.value("type", std::string{}) == "rdma_reject") ++rejected;
+      }
+      report(!hec && rejected == static_cast<int>(bad.size()) && !good_gid.empty(),
+             fmt::format("{} hostile rdma_connect requests: {} refused with rdma_reject{}",
+                         bad.size(), rejected, hec ? " (" + hec.message() + ")" : ""));
+      co_await round_trip(4ull << 20, 64ull << 10, 43);  // the server still serves
     }
     // 5. The peer dies during a transfer.
     {
