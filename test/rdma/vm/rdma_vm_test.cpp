@@ -500,11 +500,17 @@ int run_client() {
 
 // ------------------------------------------------------------------ bench
 
+// The bench engines: one device (KVLINK_BENCH_DEVICES, default rxe0, the one
+// ib_write_bw uses), one registered buffer.
+kvlink::config bench_config(const char* port) {
+  kvlink::config cfg{.listen = env("KVLINK_SELF0", "127.0.0.1") + port};
+  cfg.rdma_devices = env("KVLINK_BENCH_DEVICES", "rxe0");
+  return cfg;
+}
+
 int run_bench_server() {
   asio::io_context io;
-  kvlink::config cfg{.listen = env("KVLINK_SELF0", "127.0.0.1") + ":17003"};
-  cfg.rdma_devices = env("KVLINK_BENCH_DEVICES", "rxe0");
-  kvlink::rdma_engine eng{io.get_executor(), cfg};
+  kvlink::rdma_engine eng{io.get_executor(), bench_config(":17003")};
   buffer mem(server_size);
   eng.register_segment(mem.data, mem.size, kvlink::access::remote_read_write);
   asio::co_spawn(
@@ -524,9 +530,7 @@ int run_bench_server() {
 // SIZE-byte requests; prints "kvlink SIZE GBps" with the median round.
 int run_bench(int argc, char** argv) {
   asio::io_context io;
-  kvlink::config cfg{.listen = env("KVLINK_SELF0", "127.0.0.1") + ":0"};
-  cfg.rdma_devices = env("KVLINK_BENCH_DEVICES", "rxe0");
-  kvlink::rdma_engine eng{io.get_executor(), cfg};
+  kvlink::rdma_engine eng{io.get_executor(), bench_config(":0")};
   buffer mem(server_size);
   eng.register_segment(mem.data, mem.size, kvlink::access::remote_read_write);
   int rc = 0;

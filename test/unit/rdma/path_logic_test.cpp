@@ -17,6 +17,7 @@
 #include <vector>
 
 #include "../../support/test_support.hpp"
+#include "verbs_devices.hpp"
 #include <asio/io_context.hpp>
 #include <doctest/doctest.h>
 #include <nlohmann/json.hpp>
@@ -30,17 +31,6 @@ using rdma::rail_state;
 using rdma::slice_fate;
 
 namespace {
-
-// True when the kernel exposes at least one verbs device to this process.
-bool machine_has_verbs_devices() {
-  std::error_code ec;
-  std::filesystem::directory_iterator it{"/sys/class/infiniband_verbs", ec};
-  if (ec) return false;
-  for (; it != std::filesystem::directory_iterator{}; ++it) {
-    if (it->path().filename().string().rfind("uverbs", 0) == 0) return true;
-  }
-  return false;
-}
 
 const std::error_code rail_error = rdma::make_wc_error(IBV_WC_RETRY_EXC_ERR);
 
@@ -908,7 +898,7 @@ kvlink::config loopback_config() {
 }  // namespace
 
 TEST_CASE("rdma_engine: falls back to TCP without a device and moves bytes intact") {
-  const bool have_device = machine_has_verbs_devices();
+  const bool have_device = kvlink_test::machine_has_verbs_devices();
   asio::io_context io;
 
   {
@@ -1014,7 +1004,7 @@ TEST_CASE("rdma_engine: falls back to TCP without a device and moves bytes intac
 }
 
 TEST_CASE("rdma_engine: allow_tcp_fallback = false without a device is errc::no_device") {
-  if (machine_has_verbs_devices()) {
+  if (kvlink_test::machine_has_verbs_devices()) {
     MESSAGE("this machine has verbs devices: the no-device case is not tested here");
     return;
   }

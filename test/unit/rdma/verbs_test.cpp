@@ -7,24 +7,12 @@
 #include <system_error>
 #include <type_traits>
 
+#include "verbs_devices.hpp"
 #include <doctest/doctest.h>
 
 namespace rdma = kvlink::rdma;
 
-namespace {
-
-// True when the kernel exposes at least one verbs device to this process.
-bool machine_has_verbs_devices() {
-  std::error_code ec;
-  std::filesystem::directory_iterator it{"/sys/class/infiniband_verbs", ec};
-  if (ec) return false;
-  for (; it != std::filesystem::directory_iterator{}; ++it) {
-    if (it->path().filename().string().rfind("uverbs", 0) == 0) return true;
-  }
-  return false;
-}
-
-}  // namespace
+namespace {}  // namespace
 
 TEST_CASE("ibv_get_device_list answers map to no_device or their errno") {
   CHECK(rdma::detail::classify_device_list(true, 0, ENOSYS) == kvlink::errc::no_device);
@@ -39,7 +27,7 @@ TEST_CASE("ibv_get_device_list answers map to no_device or their errno") {
 TEST_CASE("device_list on this machine: no devices is a clean errc::no_device") {
   std::error_code ec;
   rdma::device_list devices = rdma::device_list::open(ec);
-  if (machine_has_verbs_devices()) {
+  if (kvlink_test::machine_has_verbs_devices()) {
     // Inside the soft-RoCE VM: the same call must find them.
     CHECK_FALSE(ec);
     CHECK_FALSE(devices.empty());
