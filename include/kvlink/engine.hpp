@@ -13,7 +13,8 @@
 //       {kvlink::opcode::write, buf, p.segment(0), 0, len}};
 //   kvlink::transfer_result r = co_await eng.async_submit_transfer(reqs, asio::use_awaitable);
 //
-// (examples/tcp_loopback.cpp is the whole program.)
+// (examples/tcp_loopback.cpp is the whole program.) kvlink::rdma_engine
+// (rdma/transport.hpp) is the same engine with RDMA verbs beside TCP.
 //
 // The completion contract, which every transport keeps:
 // - A transfer completes once every byte is at its destination and visible
