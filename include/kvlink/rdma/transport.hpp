@@ -253,13 +253,6 @@ class path final : public ::kvlink::detail::fabric_path, public std::enable_shar
   /// A completion of one of this path's queue pairs (from its port's poller).
   void on_completion(std::uint32_t rail, std::uint32_t qp, const ibv_wc& wc);
 
-  /// Rail states, for tests and diagnostics.
-  std::vector<rail_state> rail_states() const {
-    std::vector<rail_state> out;
-    for (const auto& r : rails_) out.push_back(r.health.state());
-    return out;
-  }
-
  private:
   struct pending {
     ::kvlink::detail::slice_ref s;
