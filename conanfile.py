@@ -51,6 +51,7 @@ class KvlinkConan(ConanFile):
         self.requires("asio/1.30.2", transitive_headers=True)
         self.requires("fmt/10.2.1", transitive_headers=True, transitive_libs=True)
         self.requires("nlohmann_json/3.11.3", transitive_headers=True)
+        self.requires("libsodium/cci.20220430", transitive_headers=True, transitive_libs=True)
         if self.options.get_safe("with_rdma"):
             self.requires("rdma-core/52.0", transitive_headers=True, transitive_libs=True)
 
@@ -88,10 +89,12 @@ class KvlinkConan(ConanFile):
         core.set_property("pkg_config_name", "kvlink")
         core.bindirs = []
         core.libdirs = []
-        core.requires = ["asio::asio", "fmt::fmt", "nlohmann_json::nlohmann_json"]
+        core.requires = ["asio::asio", "fmt::fmt", "nlohmann_json::nlohmann_json", "libsodium::libsodium"]
         # What kvlink's own asio::asio target adds (Conan's asio package
         # already defines ASIO_STANDALONE).
-        core.defines = ["ASIO_STANDALONE", "ASIO_NO_DEPRECATED"]
+        core.defines = [
+            "ASIO_STANDALONE", "ASIO_NO_DEPRECATED", "ASIO_HAS_CO_AWAIT=1", "ASIO_HAS_STD_COROUTINE=1"
+        ]
         if self.settings.os in ("Linux", "FreeBSD"):
             core.system_libs = ["pthread"]
 

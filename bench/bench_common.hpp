@@ -82,7 +82,7 @@ inline page_buffer make_buffer(std::uint64_t size) { return page_buffer(size); }
 /// runs until SIGINT/SIGTERM or, with `watch_stdin`, until its stdin closes
 /// (the parent that started it is done or gone). Returns the number of
 /// notifications received.
-inline std::uint64_t serve_target(asio::io_context& io, kvlink::tcp_engine& eng,
+inline std::uint64_t serve_target(asio::io_context& io, kvlink::engine& eng,
                                   std::uint64_t segment_bytes, bool watch_stdin) {
   std::printf("LISTEN %s\n", eng.local_address().c_str());
   std::fflush(stdout);
@@ -228,7 +228,7 @@ struct case_timing {
 /// the segment. run() drives `io` until the case is done.
 class case_runner {
  public:
-  case_runner(asio::io_context& io, tcp_engine& eng, const peer& p, std::byte* local,
+  case_runner(asio::io_context& io, engine& eng, const peer& p, std::byte* local,
               std::uint64_t local_size, std::uint64_t remote_size, const case_timing& t,
               case_result& r)
       : io_(io), eng_(eng), r_(r), warmup_(t.warmup), seconds_(t.seconds) {
@@ -295,7 +295,7 @@ class case_runner {
 
   enum class phase { warmup, measuring, draining };
   asio::io_context& io_;
-  tcp_engine& eng_;
+  engine& eng_;
   case_result& r_;
   std::chrono::duration<double> warmup_;
   std::chrono::duration<double> seconds_;

@@ -20,6 +20,9 @@
 //
 // Units: GB = 10^9 B, GiB = 2^30 B, MB = 10^6 B, MiB = 2^20 B.
 #include <kvlink/engine.hpp>
+#ifdef KVLINK_BENCH_WITH_RDMA
+#include <kvlink/rdma.hpp>
+#endif
 #include <kvlink/kv/block_transfer.hpp>
 #include <kvlink/kv/layout.hpp>
 
@@ -74,6 +77,7 @@ struct layout_options {
 
 struct engine_options {
   std::string transport = "tcp";
+  bool checksums = false;
   std::uint32_t lanes = 0;  // 0: config default / environment
   std::string slice_size;
   std::uint32_t max_inflight = 0;
@@ -118,13 +122,13 @@ struct target_options {
   bool watch_stdin = false;
 };
 
-void check_transport(const engine_options& e) {
-  if (e.transport == "rdma") {
-    throw usage_error(
-        "--transport rdma: kvlink's engine has no RDMA transport yet (only the verbs groundwork "
-        "in include/kvlink/rdma/ exists); use --transport tcp");
-  }
-  if (e.transport != "tcp") throw usage_error("--transport: tcp or rdma");
+// Which transports this build has (kvlink::rdma is linked where libibverbs
+// was found).
+std::string transport_help() {
+  return fmt::format(
+      "data transports in order of preference, comma-separated (this build has: {}); the "
+      "target child gets the same",
+      kvlink::transport_catalog::global().names());
 }
 
 std::uint64_t parse_bytes(std::string_view name, std::string_view v) {
@@ -167,18 +171,20 @@ kvlink::config make_config(const engine_options& e) {
   std::string what;
   kvlink::config cfg = kvlink::config_from_env(kvlink::config{}, ec, &what);
   if (ec) throw usage_error(what);
-  if (e.lanes != 0) cfg.tcp_lanes = e.lanes;
+  cfg.transports = e.transport;
+  if (e.checksums) cfg.checksums = true;
+  if (e.lanes != 0) cfg.tcp.lanes = e.lanes;
   if (!e.slice_size.empty()) cfg.slice_size = parse_bytes("--slice-size", e.slice_size);
-  if (e.max_inflight != 0) cfg.max_inflight_per_lane = e.max_inflight;
+  if (e.max_inflight != 0) cfg.tcp.max_inflight_per_lane = e.max_inflight;
   if (!e.socket_buffer.empty()) {
     const auto n = kvlink::parse_size(e.socket_buffer);
     if (!n) throw usage_error("--socket-buffer: not a size");
-    cfg.socket_buffer = *n;
+    cfg.tcp.socket_buffer = *n;
   }
   // Keep the planner's rules when only the slice size was given; both sides
   // get the same options, so the target accepts what we send.
   cfg.min_chunk = std::min(cfg.min_chunk, cfg.slice_size);
-  cfg.max_frame_payload = std::max(cfg.max_frame_payload, cfg.slice_size + cfg.min_chunk);
+  cfg.tcp.max_frame_payload = std::max(cfg.tcp.max_frame_payload, cfg.slice_size + cfg.min_chunk);
   cfg.transfer_deadline = 0ms;  // a 4.5 GiB transfer on a slow box must not time out
   if (auto bad = kvlink::validate(cfg, &what)) throw usage_error("invalid settings: " + what);
   return cfg;
@@ -186,15 +192,16 @@ kvlink::config make_config(const engine_options& e) {
 
 // Options the child target needs to accept what the initiator sends.
 std::vector<std::string> engine_args(const engine_options& e) {
-  std::vector<std::string> a;
+  std::vector<std::string> a{"--transport", e.transport};
   if (!e.slice_size.empty()) a.insert(a.end(), {"--slice-size", e.slice_size});
   if (!e.socket_buffer.empty()) a.insert(a.end(), {"--socket-buffer", e.socket_buffer});
   return a;
 }
 
 void add_engine_options(CLI::App* app, engine_options& e, bool lanes) {
-  app->add_option("--transport", e.transport, "tcp (rdma: not implemented yet)")
-      ->capture_default_str();
+  app->add_option("--transport", e.transport, transport_help())->capture_default_str();
+  app->add_flag("--checksums", e.checksums,
+                "end-to-end CRC32C of every slice's payload (config.checksums)");
   if (lanes) app->add_option("--lanes", e.lanes, "TCP connections per peer (default: config, 2)");
   app->add_option("--slice-size", e.slice_size, "planner slice size (default 1MiB)");
   app->add_option("--max-inflight", e.max_inflight, "slices in flight per lane (default 32)");
@@ -271,7 +278,6 @@ std::uint64_t bytes_per_block_index(const kvlink::kv_layout& l) {
 // ------------------------------------------------------------------ target
 
 int run_target(const target_options& o) {
-  check_transport(o.engine);
   kvlink::config cfg = make_config(o.engine);
   cfg.listen = o.listen;
   std::uint64_t size = 0;
@@ -289,7 +295,7 @@ int run_target(const target_options& o) {
   fmt::print(stderr, "target: allocating and touching {} ...\n", kvlink::format_size(size));
   auto mem = kb::make_buffer(size);
   asio::io_context io;
-  kvlink::tcp_engine eng{io.get_executor(), cfg};
+  kvlink::engine eng{io.get_executor(), cfg};
   eng.register_segment(mem.data(), mem.size(), kvlink::access::remote_read_write);
   const auto notes = kb::serve_target(io, eng, size, o.watch_stdin);
   fmt::print(stderr, "target: done, {} notifications received\n", notes);
@@ -304,8 +310,7 @@ void run_until(asio::io_context& io, Pred done) {
   while (!done()) io.run_one();
 }
 
-kvlink::peer connect_peer(asio::io_context& io, kvlink::tcp_engine& eng,
-                          const std::string& address) {
+kvlink::peer connect_peer(asio::io_context& io, kvlink::engine& eng, const std::string& address) {
   std::optional<std::pair<std::error_code, kvlink::peer>> conn;
   eng.async_connect(address, [&](std::error_code ec, kvlink::peer p) { conn.emplace(ec, p); });
   run_until(io, [&] { return conn.has_value(); });
@@ -403,7 +408,8 @@ line_rate_info find_line_rate(const kv_options& o, bool local_target) {
 }
 
 void print_kv(const kv_options& o, const model_shape& shape, const line_rate_info& rate,
-              const std::string& where, std::uint32_t lanes, const std::vector<kv_row>& rows) {
+              const std::string& where, const std::string& transport, std::uint32_t lanes,
+              const std::vector<kv_row>& rows) {
   const auto& l = shape.layout;
   const double line = rate.gb_per_s;
   auto share = [&](const kv_row& r) { return line > 0 ? 100.0 * r.gb_per_s() / line : 0.0; };
@@ -417,7 +423,8 @@ void print_kv(const kv_options& o, const model_shape& shape, const line_rate_inf
                    {"tp", l.tp_size},
                    {"block_tokens", l.block_tokens},
                    {"bytes_per_token_per_rank", l.bytes_per_token_per_rank()}};
-    j["transport"] = o.engine.transport;
+    j["transport"] = transport;
+    j["checksums"] = o.engine.checksums;
     j["lanes"] = lanes;
     j["target"] = where;
     j["op"] = o.op;
@@ -465,9 +472,9 @@ void print_kv(const kv_options& o, const model_shape& shape, const line_rate_inf
       "{} B/token\n",
       shape.label, l.num_layers, l.num_kv_heads, l.head_dim, kvlink::to_string(l.type), l.tp_size,
       l.bytes_per_token_per_rank());
-  fmt::print("# {} over {} ({} lanes), target {}; {} block ids, {}-token blocks\n",
-             o.op == "write" ? "WRITE (push)" : "READ (pull)", o.engine.transport, lanes, where,
-             o.blocks, l.block_tokens);
+  fmt::print("# {} over {} ({} lanes{}), target {}; {} block ids, {}-token blocks\n",
+             o.op == "write" ? "WRITE (push)" : "READ (pull)", transport, lanes,
+             o.engine.checksums ? ", CRC32C checksums" : "", where, o.blocks, l.block_tokens);
   fmt::print("# padded = prompt + {} template tokens, rounded up to whole {}-token blocks\n",
              o.layout.pad, l.block_tokens);
   fmt::print(
@@ -495,7 +502,6 @@ void print_kv(const kv_options& o, const model_shape& shape, const line_rate_inf
 }
 
 int run_kv(const kv_options& o) {
-  check_transport(o.engine);
   if (o.csv && o.json) throw usage_error("--csv and --json: pick one");
   const kvlink::opcode op = o.op == "read" ? kvlink::opcode::read : kvlink::opcode::write;
   const bool scattered = o.blocks == "scattered";
@@ -527,7 +533,7 @@ int run_kv(const kv_options& o) {
              kvlink::format_size(local_layout.total_bytes()));
   auto mem = kb::make_buffer(local_layout.total_bytes());
   asio::io_context io;
-  kvlink::tcp_engine eng{io.get_executor(), cfg};
+  kvlink::engine eng{io.get_executor(), cfg};
   eng.register_segment(mem.data(), mem.size(), kvlink::access::remote_read_write);
   const kvlink::peer peer = connect_peer(io, eng, target.address);
   const auto seg = peer.segments().front();
@@ -548,8 +554,9 @@ int run_kv(const kv_options& o) {
       remote_layout, kvlink::remote_segment{peer.id(), seg.id}, 0);
   const std::string where = target.local ? fmt::format("child process on {}", target.address)
                                          : fmt::format("{} (--connect)", target.address);
+  const std::string transport = peer.transport_reason();
   fmt::print(stderr, "initiator: connected to {} over {} with {} lanes\n", target.address,
-             o.engine.transport, cfg.tcp_lanes);
+             transport, cfg.tcp.lanes);
 
   std::vector<kv_row> rows;
   std::vector<kvlink::transfer_request> reqs;
@@ -617,14 +624,13 @@ int run_kv(const kv_options& o) {
       rate.gb_per_s = std::max(rate.gb_per_s, again->receiver_gb_per_s);
     }
   }
-  print_kv(o, shape, rate, where, cfg.tcp_lanes, rows);
+  print_kv(o, shape, rate, where, transport, cfg.tcp.lanes, rows);
   return rc;
 }
 
 // ------------------------------------------------------------------ sweep
 
 int run_sweep(const sweep_options& o) {
-  check_transport(o.engine);
   if (o.csv && o.json) throw usage_error("--csv and --json: pick one");
   std::vector<std::uint64_t> sizes, batches, lanes;
   std::vector<kvlink::opcode> ops;
@@ -659,12 +665,14 @@ int run_sweep(const sweep_options& o) {
   std::vector<kb::case_result> rows;
   int rc = 0;
   kvlink::config cfg0 = make_config(o.engine);
+  std::string used_transport;
   for (auto n : lanes) {
     kvlink::config cfg = cfg0;
-    cfg.tcp_lanes = static_cast<std::uint32_t>(std::min<std::uint64_t>(n, 1024));
-    kvlink::tcp_engine eng{io.get_executor(), cfg};
+    cfg.tcp.lanes = static_cast<std::uint32_t>(std::min<std::uint64_t>(n, 1024));
+    kvlink::engine eng{io.get_executor(), cfg};
     eng.register_segment(mem.data(), mem.size(), kvlink::access::remote_read_write);
     const kvlink::peer peer = connect_peer(io, eng, target.address);
+    used_transport = peer.transport_reason();
     const std::uint64_t remote_size = peer.segments().front().length;
     for (auto op : ops) {
       for (auto block : sizes) {
@@ -675,7 +683,7 @@ int run_sweep(const sweep_options& o) {
           r.block = block;
           r.batch = batch;
           r.depth = o.depth;
-          r.lanes = cfg.tcp_lanes;
+          r.lanes = cfg.tcp.lanes;
           fmt::print(stderr, "  lanes {} {:<5} {:>8} x {:<3} depth {} ...", r.lanes,
                      kb::op_name(op), kvlink::format_size(block), batch, o.depth);
           std::fflush(stderr);
@@ -713,7 +721,7 @@ int run_sweep(const sweep_options& o) {
     fmt::print(
         "# kvlink-bench sweep over {}, target {}; depth {}, {} block layout; "
         "GB/s = 10^9 B/s, GiB/s = 2^30 B/s\n",
-        o.engine.transport, target.local ? "child process on loopback" : target.address, o.depth,
+        used_transport, target.local ? "child process on loopback" : target.address, o.depth,
         o.block_layout);
     fmt::print("{:>5} {:<6} {:>9} {:>6} {:>9} {:>9} {:>13}\n", "lanes", "op", "block", "batch",
                "GB/s", "GiB/s", "lat/batch us");

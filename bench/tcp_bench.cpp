@@ -66,10 +66,10 @@ constexpr std::string_view usage_text = R"(usage: kvlink_tcp_bench [options]
   --segment-size SIZE           bytes registered on each side (default 1GiB)
   --layout scattered|contiguous scattered (default): remote blocks are 4 KiB apart,
                                 so the planner cannot coalesce them
-  --lanes N                     config.tcp_lanes
+  --lanes N                     config.tcp.lanes
   --slice-size SIZE             config.slice_size
-  --max-inflight N              config.max_inflight_per_lane
-  --socket-buffer SIZE          config.socket_buffer (0 = kernel default)
+  --max-inflight N              config.tcp.max_inflight_per_lane
+  --socket-buffer SIZE          config.tcp.socket_buffer (0 = kernel default)
   --csv                         CSV on stdout instead of the table
 Sizes take KiB/MiB/GiB (2^10..) or KB/MB/GB (10^3..). Other settings: KVLINK_* variables.
 )";
@@ -191,16 +191,16 @@ options parse_options(int argc, char** argv) {
       if (v != "scattered" && v != "contiguous") die("--layout: scattered or contiguous");
       o.scattered = v == "scattered";
     } else if (a == "--lanes") {
-      o.cfg.tcp_lanes = to_u32(a, parse_count(a, v));
+      o.cfg.tcp.lanes = to_u32(a, parse_count(a, v));
       pass();
     } else if (a == "--slice-size") {
       o.cfg.slice_size = parse_bytes(a, v);
       pass();
     } else if (a == "--max-inflight") {
-      o.cfg.max_inflight_per_lane = to_u32(a, parse_count(a, v));
+      o.cfg.tcp.max_inflight_per_lane = to_u32(a, parse_count(a, v));
       pass();
     } else if (a == "--socket-buffer") {
-      o.cfg.socket_buffer = parse_bytes(a, v);
+      o.cfg.tcp.socket_buffer = parse_bytes(a, v);
       pass();
     } else {
       die(fmt::format("unknown option '{}' (see --help)", a));
@@ -217,7 +217,8 @@ options parse_options(int argc, char** argv) {
   // a small slice lowers min_chunk, a large one raises the frame bound (both
   // sides get the same options, so the target accepts what we send).
   o.cfg.min_chunk = std::min(o.cfg.min_chunk, o.cfg.slice_size);
-  o.cfg.max_frame_payload = std::max(o.cfg.max_frame_payload, o.cfg.slice_size + o.cfg.min_chunk);
+  o.cfg.tcp.max_frame_payload =
+      std::max(o.cfg.tcp.max_frame_payload, o.cfg.slice_size + o.cfg.min_chunk);
   o.cfg.transfer_deadline = 0ms;  // a 1 GiB batch on a slow box must not time out
   if (o.role != "initiator") o.cfg.listen = o.listen;
   if (auto vec = kvlink::validate(o.cfg, &what)) die("invalid settings: " + what);
@@ -241,9 +242,9 @@ void print_table(const options& o, const std::vector<case_result>& rows) {
   fmt::print(
       "# kvlink TCP engine, 2 processes; lanes={} slice_size={} max_inflight_per_lane={} "
       "socket_buffer={} depth={} layout={}\n",
-      o.cfg.tcp_lanes, kvlink::format_size(o.cfg.slice_size), o.cfg.max_inflight_per_lane,
-      o.cfg.socket_buffer == 0 ? std::string{"kernel default"}
-                               : kvlink::format_size(o.cfg.socket_buffer),
+      o.cfg.tcp.lanes, kvlink::format_size(o.cfg.slice_size), o.cfg.tcp.max_inflight_per_lane,
+      o.cfg.tcp.socket_buffer == 0 ? std::string{"kernel default"}
+                                   : kvlink::format_size(o.cfg.tcp.socket_buffer),
       o.depth, o.scattered ? "scattered" : "contiguous");
   fmt::print("{:<6} {:>8} {:>6} {:>6} {:>9} {:>9} {:>11} {:>8} {:>13}\n", "op", "block", "batch",
              "depth", "GB/s", "GiB/s", "req/s", "batches", "lat/batch us");
@@ -266,9 +267,9 @@ void print_csv(const options& o, const std::vector<case_result>& rows) {
       "seconds,gb_per_s,gib_per_s,batches,mean_batch_latency_us,error\n");
   for (const auto& r : rows) {
     fmt::print("{},{},{},{},{},{},{},{},{},{:.6f},{:.4f},{:.4f},{},{:.1f},{}\n", op_name(r.op),
-               r.block, r.batch, r.depth, o.cfg.tcp_lanes, o.cfg.slice_size,
-               o.cfg.max_inflight_per_lane, o.cfg.socket_buffer, r.bytes, r.seconds, r.gb_per_s(),
-               r.gib_per_s(), r.batches, r.mean_latency_us,
+               r.block, r.batch, r.depth, o.cfg.tcp.lanes, o.cfg.slice_size,
+               o.cfg.tcp.max_inflight_per_lane, o.cfg.tcp.socket_buffer, r.bytes, r.seconds,
+               r.gb_per_s(), r.gib_per_s(), r.batches, r.mean_latency_us,
                r.error ? r.error.message() : std::string{});
   }
 }
@@ -290,7 +291,7 @@ int run_initiator(const options& o, const std::string& address) {
   if (segs.empty()) die("the target registered no segment");
   const std::uint64_t remote_size = segs.front().length;
   fmt::print(stderr, "initiator: connected to {} ({} lanes), remote segment {}\n", address,
-             o.cfg.tcp_lanes, kvlink::format_size(remote_size));
+             o.cfg.tcp.lanes, kvlink::format_size(remote_size));
 
   std::vector<case_result> rows;
   int rc = 0;

@@ -38,6 +38,17 @@ if(NOT TARGET nlohmann_json::nlohmann_json)
   _kvlink_require(nlohmann_json_FOUND "nlohmann/json" nlohmann-json3-dev)
 endif()
 
+# libsodium: the shared-secret authentication of peers (HMAC-SHA-256).
+if(NOT TARGET kvlink_sodium)
+  find_package(PkgConfig QUIET)
+  if(PkgConfig_FOUND)
+    pkg_check_modules(KVLINK_SODIUM QUIET IMPORTED_TARGET libsodium)
+  endif()
+  _kvlink_require(KVLINK_SODIUM_FOUND "libsodium (pkg-config libsodium)" "libsodium-dev pkg-config")
+  add_library(kvlink_sodium INTERFACE IMPORTED)
+  set_target_properties(kvlink_sodium PROPERTIES INTERFACE_LINK_LIBRARIES PkgConfig::KVLINK_SODIUM)
+endif()
+
 if(KVLINK_WITH_RDMA AND NOT TARGET kvlink_ibverbs)
   find_package(PkgConfig QUIET)
   if(PkgConfig_FOUND)

@@ -10,7 +10,10 @@ function(kvlink_strict target)
     # sanitizers also takes Asio's coroutine frame operator new/delete pair
     # for a mismatch (-Wmismatched-new-delete). The plain build keeps both.
     target_compile_options(${target} PRIVATE -fsanitize=${KVLINK_SANITIZE} -fno-omit-frame-pointer
-      -fno-sanitize-recover=all -Wno-maybe-uninitialized -Wno-mismatched-new-delete)
+      -fno-sanitize-recover=all)
+    if(CMAKE_CXX_COMPILER_ID STREQUAL "GNU")
+      target_compile_options(${target} PRIVATE -Wno-maybe-uninitialized -Wno-mismatched-new-delete)
+    endif()
     target_link_options(${target} PRIVATE -fsanitize=${KVLINK_SANITIZE})
   endif()
 endfunction()

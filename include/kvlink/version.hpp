@@ -17,6 +17,6 @@ inline constexpr const char* version_string = "0.1.0";
 /// Version of the wire protocol (handshake messages and data frames). Peers
 /// with a different protocol version refuse each other with
 /// errc::protocol_version_mismatch. Independent of the library version.
-inline constexpr unsigned protocol_version = 1;
+inline constexpr unsigned protocol_version = 2;
 
 }  // namespace kvlink

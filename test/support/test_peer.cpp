@@ -2,6 +2,7 @@
 // tests (test/unit/engine/two_process_test.cpp).
 //
 //   kvlink_test_peer [--size BYTES] [--seed N] [--access rw|r|w]
+//                    [--config JSON] [--nofile N]
 //
 // Starts a tcp_engine on 127.0.0.1:0, registers one segment of --size bytes
 // (default 80 MiB) filled with the pattern of --seed (default 1), granted as
@@ -13,7 +14,15 @@
 //       compares segment bytes [offset, offset + length) with the pattern of
 //       <seed> at the same positions (what the test WROTE there);
 //   FILL <seed>                     ->  OK
-//       refills the whole segment with the pattern of <seed>.
+//       refills the whole segment with the pattern of <seed>;
+//   RSS                             ->  <resident set size in KiB>;
+//   PUSH <address> <length>         ->  STARTED
+//       connects to the engine at <address> and WRITEs [0, length) of the
+//       segment into its first segment, again and again, until this process
+//       ends (a test kills it mid-transfer).
+//
+// --config: settings as JSON (kvlink::config_from_json) on top of a listen
+// address of 127.0.0.1:0; --nofile: the process's file descriptor limit.
 //
 // EOF on stdin: the engine is destroyed and the process exits 0. Exit 1 on a
 // set-up failure, 2 on bad arguments.
@@ -31,6 +40,7 @@
 #include <cstdio>
 #include <cstring>
 #include <exception>
+#include <fstream>
 #include <future>
 #include <iostream>
 #include <optional>
@@ -39,10 +49,12 @@
 #include <thread>
 #include <vector>
 
+#include "process_stats.hpp"
 #include "test_support.hpp"
 #include <asio/executor_work_guard.hpp>
 #include <asio/io_context.hpp>
 #include <asio/post.hpp>
+#include <sys/resource.h>
 
 namespace {
 
@@ -83,7 +95,18 @@ int usage(const char* why) {
 
 // Answers one command line; runs on the io thread, so it is ordered with the
 // engine's handlers (which wrote the segment) and sees their bytes.
-std::string answer(const std::string& line, std::vector<std::byte>& mem) {
+// WRITEs [0, len) of mem to the peer's first segment forever.
+void push_forever(kvlink::tcp_engine& engine, kvlink::peer p, std::byte* mem, std::uint64_t len) {
+  std::vector<kvlink::transfer_request> reqs{
+      {kvlink::opcode::write, mem, p.segment(std::size_t{0}), 0, len}};
+  engine.async_submit_transfer(reqs,
+                               [&engine, p, mem, len](std::error_code ec, kvlink::transfer_result) {
+                                 if (!ec) push_forever(engine, p, mem, len);
+                               });
+}
+
+std::string answer(const std::string& line, std::vector<std::byte>& mem,
+                   kvlink::tcp_engine& engine) {
   std::istringstream in(line);
   std::string verb;
   in >> verb;
@@ -95,6 +118,22 @@ std::string answer(const std::string& line, std::vector<std::byte>& mem) {
       return "BAD " + std::to_string(off + *bad);
     }
     return "OK";
+  }
+  if (verb == "PUSH") {
+    std::string address;
+    std::uint64_t len = 0;
+    if (!(in >> address >> len) || len == 0 || len > mem.size()) {
+      return "ERR PUSH needs <address> <length within the segment>";
+    }
+    auto* m = mem.data();
+    engine.async_connect(address, [&engine, m, len](std::error_code ec, kvlink::peer p) {
+      if (!ec) push_forever(engine, p, m, len);
+    });
+    return "STARTED";
+  }
+  if (verb == "RSS") {
+    const auto kib = kvlink_test::rss_kib();
+    return kib != 0 ? std::to_string(kib) : std::string("ERR no VmRSS");
   }
   if (verb == "FILL") {
     std::uint64_t seed = 0;
@@ -111,7 +150,8 @@ int main(int argc, char** argv) {
   std::uint64_t size = 80u << 20;  // 80 MiB
   std::uint64_t seed = 1;
   kvlink::access granted = kvlink::access::remote_read_write;
-  for (int i = 1; i < argc; ++i) {
+  kvlink::config cfg{.listen = "127.0.0.1:0"};
+  for (int i = 1; i < argc; i += 2) {  // every option takes a value
     const std::string arg = argv[i];
     const char* value = i + 1 < argc ? argv[i + 1] : nullptr;
     if (arg == "--size") {
@@ -129,10 +169,20 @@ int main(int argc, char** argv) {
       } else {
         return usage("--access needs rw, r or w");
       }
+    } else if (arg == "--config") {
+      try {
+        cfg = kvlink::config_from_json(nlohmann::json::parse(value ? value : ""), cfg);
+      } catch (const std::exception& e) {
+        return usage((std::string("--config: ") + e.what()).c_str());
+      }
+    } else if (arg == "--nofile") {
+      std::uint64_t n = 0;
+      if (!parse_u64(value, n) || n == 0) return usage("--nofile needs a positive count");
+      rlimit rl{n, n};
+      if (::setrlimit(RLIMIT_NOFILE, &rl) != 0) return usage("--nofile: setrlimit failed");
     } else {
       return usage(("unknown argument '" + arg + "'").c_str());
     }
-    ++i;
   }
   // A test that went away must not kill us mid-reply; we notice EOF instead.
   std::signal(SIGPIPE, SIG_IGN);
@@ -144,7 +194,7 @@ int main(int argc, char** argv) {
     asio::io_context io;
     auto work = asio::make_work_guard(io);
     std::optional<kvlink::tcp_engine> engine;
-    engine.emplace(io.get_executor(), kvlink::config{.listen = "127.0.0.1:0"});
+    engine.emplace(io.get_executor(), cfg);
     engine->register_segment(mem.data(), mem.size(), granted);
     std::thread runner([&io] { io.run(); });
 
@@ -153,7 +203,7 @@ int main(int argc, char** argv) {
     while (std::getline(std::cin, line)) {
       std::promise<std::string> reply;
       auto fut = reply.get_future();
-      asio::post(io, [&] { reply.set_value(answer(line, mem)); });
+      asio::post(io, [&] { reply.set_value(answer(line, mem, *engine)); });
       std::cout << fut.get() << std::endl;
       if (!std::cout) break;  // nobody reads our replies any more
     }

@@ -1,5 +1,6 @@
-// The control channel: length-prefixed JSON messages over TCP, used for the
-// handshake (hello / welcome / error), segment updates and notifications.
+// Control messages: length-prefixed JSON over a stream, used for the
+// handshake (control/handshake.hpp), descriptor updates, notifications and
+// transports' own requests (control/channel.hpp carries them).
 //
 // Frame: 8-byte prefix, little-endian: u32 magic 0x4B564C43 ("KVLC"), u32
 // body length; then the body, a JSON object with a "type" string. The magic
@@ -10,17 +11,17 @@
 #pragma once
 
 #include <kvlink/core/error.hpp>
-#include <kvlink/core/segment_registry.hpp>
 #include <kvlink/core/types.hpp>
 #include <kvlink/version.hpp>
 
 #include <array>
 #include <cstdint>
 #include <cstring>
+#include <limits>
 #include <optional>
 #include <string>
 #include <string_view>
-#include <vector>
+#include <type_traits>
 
 #include <nlohmann/json.hpp>
 
@@ -71,12 +72,25 @@ inline std::string encode_message(const nlohmann::json& body) {
   return out;
 }
 
-/// Parses a body: it must be a JSON object with a string "type".
+/// How deeply a control message may nest: deeper is malformed. (Copying a
+/// JSON value recurses once per level, so a peer's 150 KB of brackets would
+/// otherwise overflow the stack wherever a message is copied.)
+inline constexpr int max_message_depth = 32;
+
+/// Parses a body: it must be a JSON object with a string "type", nested at
+/// most max_message_depth levels.
 inline std::error_code parse_message(std::string_view body, nlohmann::json& out) {
-  out = nlohmann::json::parse(body, nullptr, /*allow_exceptions=*/false);
-  if (out.is_discarded() || !out.is_object() || !out.contains("type") || !out["type"].is_string()) {
-    return errc::malformed_message;
-  }
+  bool too_deep = false;
+  out = nlohmann::json::parse(
+      body,
+      [&too_deep](int depth, nlohmann::json::parse_event_t, nlohmann::json&) {
+        if (depth > max_message_depth) too_deep = true;
+        return !too_deep;  // discard the rest once too deep
+      },
+      /*allow_exceptions=*/false);
+  if (too_deep || out.is_discarded() || !out.is_object()) return errc::malformed_message;
+  const auto type = out.find("type");
+  if (type == out.end() || !type->is_string()) return errc::malformed_message;
   return {};
 }
 
@@ -126,156 +140,7 @@ bool get_field(const nlohmann::json& j, const char* key, T& out) {
   return true;
 }
 
-// ---------------------------------------------------------------- descriptor
-
-/// What a peer tells others about itself: versioned, instance-stamped.
-struct peer_descriptor {
-  unsigned protocol = protocol_version;
-  instance_id instance{};
-  std::string tcp_address;                               ///< host:port of its listener
-  std::vector<remote_segment_info> segments;             ///< ordered by id
-  nlohmann::json transports = nlohmann::json::object();  ///< per-transport details
-};
-
-inline nlohmann::json segments_to_json(const std::vector<remote_segment_info>& segs) {
-  auto arr = nlohmann::json::array();
-  for (const auto& s : segs) {
-    nlohmann::json js{{"id", s.id.value()},
-                      {"base", s.base},
-                      {"length", s.length},
-                      {"access", to_string(s.granted)}};
-    if (!s.rkeys.empty()) js["rkeys"] = s.rkeys;
-    arr.push_back(std::move(js));
-  }
-  return arr;
-}
-
-inline std::error_code segments_from_json(const nlohmann::json& arr,
-                                          std::vector<remote_segment_info>& out) {
-  if (!arr.is_array()) return errc::malformed_message;
-  out.clear();
-  out.reserve(arr.size());
-  for (const auto& js : arr) {
-    if (!js.is_object()) return errc::malformed_message;
-    remote_segment_info s;
-    std::uint64_t id = 0;
-    std::string acc;
-    if (!get_field(js, "id", id) || id == 0 || !get_field(js, "base", s.base) ||
-        !get_field(js, "length", s.length) || !get_field(js, "access", acc)) {
-      return errc::malformed_message;
-    }
-    const auto a = parse_access(acc);
-    if (!a) return errc::malformed_message;
-    s.id = segment_id{id};
-    s.granted = *a;
-    if (const auto it = js.find("rkeys"); it != js.end()) {
-      if (!it->is_array()) return errc::malformed_message;
-      for (const auto& k : *it) {
-        if (!k.is_number_unsigned() || k.get<std::uint64_t>() > 0xffffffffu)
-          return errc::malformed_message;
-        s.rkeys.push_back(k.get<std::uint32_t>());
-      }
-    }
-    out.push_back(std::move(s));
-  }
-  return {};
-}
-
-inline nlohmann::json to_json(const peer_descriptor& d) {
-  return {{"protocol", d.protocol},
-          {"instance", to_string(d.instance)},
-          {"tcp_address", d.tcp_address},
-          {"segments", segments_to_json(d.segments)},
-          {"transports", d.transports}};
-}
-
-inline std::error_code from_json(const nlohmann::json& j, peer_descriptor& d) {
-  if (!j.is_object()) return errc::malformed_message;
-  std::string inst;
-  if (!get_field(j, "protocol", d.protocol)) return errc::malformed_message;
-  if (d.protocol != protocol_version) return errc::protocol_version_mismatch;
-  if (!get_field(j, "instance", inst) || !get_field(j, "tcp_address", d.tcp_address)) {
-    return errc::malformed_message;
-  }
-  const auto parsed = parse_instance_id(inst);
-  if (!parsed || !parsed->valid()) return errc::malformed_message;
-  d.instance = *parsed;
-  const auto segs = j.find("segments");
-  if (segs == j.end()) return errc::malformed_message;
-  if (auto ec = segments_from_json(*segs, d.segments)) return ec;
-  if (const auto t = j.find("transports"); t != j.end()) {
-    if (!t->is_object()) return errc::malformed_message;
-    d.transports = *t;
-  }
-  return {};
-}
-
-// ---------------------------------------------------------------- handshake
-
-enum class role { control, lane };
-
-/// First message on every connection, from the connecting side.
-inline nlohmann::json make_hello(unsigned protocol, const instance_id& self, role r,
-                                 std::uint32_t lane = 0,
-                                 std::optional<instance_id> expect = std::nullopt,
-                                 std::string_view address = {}) {
-  nlohmann::json j{{"type", "hello"},
-                   {"protocol", protocol},
-                   {"instance", to_string(self)},
-                   {"role", r == role::control ? "control" : "lane"},
-                   {"lane", lane}};
-  // A lane names the instance it expects: if the peer restarted between the
-  // control handshake and this connection, the lane is refused.
-  if (expect) j["expect"] = to_string(*expect);
-  // Where the sender itself listens, so the receiver can connect back.
-  if (!address.empty()) j["address"] = std::string(address);
-  return j;
-}
-
-struct hello {
-  unsigned protocol = 0;
-  instance_id instance{};
-  role r = role::control;
-  std::uint32_t lane = 0;
-  std::optional<instance_id> expect;
-  std::string address;  ///< the sender's own listen address, if it told
-};
-
-/// Parses a hello. The protocol field is read first, so a peer of another
-/// version is told so (protocol_version_mismatch), not that its message is
-/// malformed.
-inline std::error_code parse_hello(const nlohmann::json& j, hello& h) {
-  if (j.value("type", std::string{}) != "hello" || !get_field(j, "protocol", h.protocol)) {
-    return errc::malformed_message;
-  }
-  if (h.protocol != protocol_version) return errc::protocol_version_mismatch;
-  std::string inst;
-  std::string r;
-  if (!get_field(j, "instance", inst) || !get_field(j, "role", r) ||
-      !get_field(j, "lane", h.lane)) {
-    return errc::malformed_message;
-  }
-  const auto id = parse_instance_id(inst);
-  if (!id || !id->valid() || (r != "control" && r != "lane")) return errc::malformed_message;
-  h.instance = *id;
-  h.r = r == "control" ? role::control : role::lane;
-  if (const auto e = j.find("expect"); e != j.end()) {
-    if (!e->is_string()) return errc::malformed_message;
-    const auto ex = parse_instance_id(e->get<std::string>());
-    if (!ex) return errc::malformed_message;
-    h.expect = *ex;
-  }
-  if (const auto a = j.find("address"); a != j.end()) {
-    if (!a->is_string() || a->get_ref<const std::string&>().size() > 256)
-      return errc::malformed_message;
-    h.address = a->get<std::string>();
-  }
-  return {};
-}
-
-inline nlohmann::json make_welcome(const peer_descriptor& d) {
-  return {{"type", "welcome"}, {"protocol", d.protocol}, {"descriptor", to_json(d)}};
-}
+// ---------------------------------------------------------------- errors
 
 /// An error reply: a stable code name plus a human-readable message.
 inline nlohmann::json make_error(std::error_code ec, std::string_view detail = {}) {
@@ -296,8 +161,27 @@ inline std::error_code error_from_message(const nlohmann::json& j) {
   const auto it = j.find("code");
   if (it == j.end() || !it->is_number_integer()) return errc::malformed_message;
   const auto v = it->get<std::int64_t>();
-  if (v < 1 || v > static_cast<int>(errc::instance_changed)) return errc::malformed_message;
+  if (v < 1 || v > static_cast<int>(errc_last)) return errc::malformed_message;
   return static_cast<errc>(v);
+}
+
+// ---------------------------------------------------------------- transports
+
+/// A transport's own control message (an RDMA path asking the target's RDMA
+/// transport for queue pairs, its answer): the engine routes it by the
+/// "transport" field and never looks inside `body`.
+inline nlohmann::json make_transport_message(std::string_view transport, nlohmann::json body) {
+  return {{"type", "transport"}, {"transport", std::string(transport)}, {"body", std::move(body)}};
+}
+
+/// Reads a "transport" message: false when it lacks a transport name or an
+/// object body.
+inline bool parse_transport_message(const nlohmann::json& j, std::string& transport,
+                                    const nlohmann::json*& body) {
+  const auto b = j.find("body");
+  if (!get_field(j, "transport", transport) || b == j.end() || !b->is_object()) return false;
+  body = &*b;
+  return true;
 }
 
 // ---------------------------------------------------------------- notifications

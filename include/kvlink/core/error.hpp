@@ -32,7 +32,15 @@ enum class errc : int {
   message_too_large,          ///< a message exceeds the configured bound
   transport_unavailable,      ///< the transport is not offered by both peers
   instance_changed,           ///< the peer restarted: cached state is stale
+  local_memory_fault,         ///< a local buffer of the transfer is not accessible memory
+  checksum_mismatch,          ///< a payload arrived with a checksum that does not match
+  authentication_failed,      ///< the peer did not prove it knows the shared secret
+  limit_exceeded,             ///< a resource limit was reached (connections, buffers)
 };
+
+/// The largest errc value: status fields and error codes that peers send are
+/// checked against it.
+inline constexpr errc errc_last = errc::limit_exceeded;
 
 namespace detail {
 
@@ -84,6 +92,19 @@ class error_category_impl final : public std::error_category {
       case errc::instance_changed:
         return "the peer restarted (new instance id): cached segments were "
                "dropped, reconnect";
+      case errc::local_memory_fault:
+        return "a local buffer of the transfer is not accessible memory (unmapped, "
+               "protected, or device memory a transport cannot reach): that transfer "
+               "failed, the peer stays connected";
+      case errc::checksum_mismatch:
+        return "a payload's checksum did not match: the data was corrupted in transit "
+               "and was not acknowledged";
+      case errc::authentication_failed:
+        return "authentication failed: both engines must be given the same shared secret "
+               "(config.auth_secret, auth_secret_file or KVLINK_AUTH_SECRET)";
+      case errc::limit_exceeded:
+        return "a resource limit was reached (connections, buffered control bytes or "
+               "notifications): see the config settings max_* and the peer's log";
     }
     return "unknown kvlink error";
   }

@@ -33,6 +33,8 @@
 #include <utility>
 #include <vector>
 
+#include <nlohmann/json.hpp>
+
 namespace kvlink {
 
 /// A registered local segment: [base, base + length), base + length never
@@ -42,6 +44,7 @@ struct segment_info {
   std::uintptr_t base = 0;
   std::uint64_t length = 0;
   access granted = access::none;
+  memory_desc memory{};  ///< where the bytes live (host memory unless stated)
 
   /// One past the last byte.
   std::uintptr_t end() const noexcept { return base + static_cast<std::uintptr_t>(length); }
@@ -88,7 +91,8 @@ class segment_registry {
   ///  - overlapping_registration: the range shares a byte with a registered
   ///    segment (adjacent segments are fine).
   /// Ids start at 1, increase, and are never reused by this registry.
-  segment_id add(const void* base, std::uint64_t length, access granted, std::error_code& ec) {
+  segment_id add(const void* base, std::uint64_t length, access granted, std::error_code& ec,
+                 memory_desc memory = {}) {
     const auto b = reinterpret_cast<std::uintptr_t>(base);
     if (b == 0 || length == 0 || length > std::numeric_limits<std::uintptr_t>::max() - b) {
       ec = errc::invalid_argument;
@@ -108,7 +112,7 @@ class segment_registry {
       return {};
     }
     const segment_id id{next_id_++};
-    by_base_.emplace_hint(next, b, segment_info{id, b, length, granted});
+    by_base_.emplace_hint(next, b, segment_info{id, b, length, granted, memory});
     by_id_.emplace(id, b);
     generation_.fetch_add(1, std::memory_order_release);
     ec.clear();
@@ -203,14 +207,15 @@ class segment_registry {
 };
 
 /// What a peer told us about one of its segments. `base` is an address in
-/// the peer's process (only RDMA uses it); `rkeys` has one key per RDMA NIC
-/// of the peer and is empty for TCP.
+/// the peer's process (one-sided transports address memory by it); `keys`
+/// holds what each of the peer's transports published for the segment
+/// (transport name -> its key, e.g. "rdma" -> one rkey per NIC), opaque here.
 struct remote_segment_info {
   segment_id id;
   std::uint64_t base = 0;
   std::uint64_t length = 0;
   access granted = access::none;
-  std::vector<std::uint32_t> rkeys;
+  nlohmann::json keys = nlohmann::json::object();
   friend bool operator==(const remote_segment_info&, const remote_segment_info&) = default;
 };
 
@@ -231,7 +236,25 @@ class remote_segment_cache {
     auto& segs = by_instance_[inst];
     const segment_id id = info.id;
     segs.insert_or_assign(id, std::move(info));
+    generation_.fetch_add(1, std::memory_order_release);
   }
+
+  /// Replaces every entry of `inst` with `segs` (a peer's new segment list).
+  void replace(const instance_id& inst, std::vector<remote_segment_info> segs) {
+    std::unique_lock lock{mutex_};
+    auto& map = by_instance_[inst];
+    map.clear();
+    for (auto& s : segs) {
+      const segment_id id = s.id;
+      map.insert_or_assign(id, std::move(s));
+    }
+    if (map.empty()) by_instance_.erase(inst);
+    generation_.fetch_add(1, std::memory_order_release);
+  }
+
+  /// Counts changes: a transport that keeps its own parsed form of the keys
+  /// rebuilds it when this moves.
+  std::uint64_t generation() const noexcept { return generation_.load(std::memory_order_acquire); }
 
   /// Forgets one segment; false if it was not cached.
   bool erase(const instance_id& inst, segment_id id) {
@@ -240,6 +263,7 @@ class remote_segment_cache {
     if (it == by_instance_.end()) return false;
     const bool erased = it->second.erase(id) != 0;
     if (it->second.empty()) by_instance_.erase(it);
+    generation_.fetch_add(1, std::memory_order_release);
     return erased;
   }
 
@@ -247,6 +271,7 @@ class remote_segment_cache {
   void drop_instance(const instance_id& inst) {
     std::unique_lock lock{mutex_};
     by_instance_.erase(inst);
+    generation_.fetch_add(1, std::memory_order_release);
   }
 
   std::optional<remote_segment_info> get(const instance_id& inst, segment_id id) const {
@@ -300,6 +325,7 @@ class remote_segment_cache {
 
   mutable std::shared_mutex mutex_;
   std::map<instance_id, std::map<segment_id, remote_segment_info>> by_instance_;
+  std::atomic<std::uint64_t> generation_{0};
 };
 
 }  // namespace kvlink

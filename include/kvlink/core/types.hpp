@@ -7,6 +7,7 @@
 #include <cstddef>
 #include <cstdint>
 #include <functional>
+#include <initializer_list>
 #include <string_view>
 
 namespace kvlink {
@@ -44,6 +45,45 @@ constexpr bool allows(access granted, access needed) noexcept {
 constexpr access required_access(opcode op) noexcept {
   return op == opcode::read ? access::remote_read : access::remote_write;
 }
+
+/// Where a segment's bytes live. Host memory is the only kind until the CUDA
+/// support arrives (memory/ is where device memory is detected and staged).
+enum class memory_kind : std::uint8_t {
+  host = 0,  ///< ordinary virtual memory of this process
+};
+
+constexpr std::string_view to_string(memory_kind k) noexcept {
+  switch (k) {
+    case memory_kind::host:
+      return "host";
+  }
+  return "unknown";
+}
+
+/// A memory kind and, for device memory, which device (-1 for host memory).
+struct memory_desc {
+  memory_kind kind = memory_kind::host;
+  std::int32_t device = -1;
+  friend constexpr bool operator==(const memory_desc&, const memory_desc&) noexcept = default;
+};
+
+/// A set of memory kinds: what a transport reads and writes directly.
+class memory_kinds {
+ public:
+  constexpr memory_kinds() noexcept = default;
+  constexpr memory_kinds(std::initializer_list<memory_kind> kinds) noexcept {
+    for (auto k : kinds) bits_ |= bit(k);
+  }
+  constexpr bool contains(memory_kind k) const noexcept { return (bits_ & bit(k)) != 0; }
+  constexpr bool empty() const noexcept { return bits_ == 0; }
+  friend constexpr bool operator==(memory_kinds, memory_kinds) noexcept = default;
+
+ private:
+  static constexpr std::uint32_t bit(memory_kind k) noexcept {
+    return std::uint32_t{1} << static_cast<unsigned>(k);
+  }
+  std::uint32_t bits_ = 0;
+};
 
 /// Identifies a segment within one engine instance. A strong type: it cannot
 /// be built from, or used as, a plain integer by accident, and it is never a

@@ -6,6 +6,7 @@
 #include <string>
 #include <string_view>
 #include <system_error>
+#include <vector>
 
 namespace kvlink::detail {
 
@@ -26,6 +27,20 @@ constexpr bool iequals(std::string_view a, std::string_view b) noexcept {
     if (ascii_lower(a[i]) != ascii_lower(b[i])) return false;
   }
   return true;
+}
+
+/// "a,b,c" -> {"a", "b", "c"}; "" -> {}; empty items are kept ("a,,b" has
+/// three) so that callers can refuse them.
+inline std::vector<std::string> split_list(std::string_view text, char sep = ',') {
+  std::vector<std::string> out;
+  if (text.empty()) return out;
+  while (true) {
+    const std::size_t at = text.find(sep);
+    out.emplace_back(text.substr(0, at));
+    if (at == std::string_view::npos) break;
+    text.remove_prefix(at + 1);
+  }
+  return out;
 }
 
 }  // namespace kvlink::detail

@@ -43,6 +43,13 @@
 #include <utility>
 #include <vector>
 
+// Where an attribute on a lambda goes differs between g++ and clang.
+#if defined(__clang__)
+#define KVLINK_LAMBDA_ALWAYS_INLINE __attribute__((always_inline))
+#else
+#define KVLINK_LAMBDA_ALWAYS_INLINE [[gnu::always_inline]]
+#endif
+
 namespace kvlink {
 
 /// One request, as the engine resolved it (local memory to its segment, the
@@ -315,8 +322,13 @@ template <typename Striper>
                                               std::uint64_t len, Striper& striper,
                                               std::vector<slice>& out) {
   const std::uint32_t lane = striper.pick(len);
+#if defined(__cpp_aggregate_paren_init)
   out.emplace_back(run.request, lane, run.op, run.local_addr + offset, run.local_segment,
                    run.remote_segment, run.remote_offset + offset, len);
+#else  // clang 14: no parenthesized aggregate initialization
+  out.push_back(slice{run.request, lane, run.op, run.local_addr + offset, run.local_segment,
+                      run.remote_segment, run.remote_offset + offset, len});
+#endif
 }
 
 /// Cuts one run longer than slice_size into slices and stripes them. With
@@ -372,7 +384,7 @@ inline std::uint32_t plan_impl(std::span<const plan_request> requests, const pla
   if (requests.empty()) return 0;
   const std::uint64_t s = policy.slice_size;
   std::uint32_t runs = 0;
-  auto finish = [&](const plan_run& run) [[gnu::always_inline]] {
+  auto finish = [&](const plan_run& run) KVLINK_LAMBDA_ALWAYS_INLINE {
     ++runs;
     if (run.length <= s) {
       emit_slice(run, 0, run.length, striper, out);  // the common case for fragmented input

@@ -1,14 +1,7 @@
-// The RDMA verbs transport: kvlink::rdma_engine.
-//
-//   asio::io_context io;
-//   kvlink::rdma_engine eng{io.get_executor(), kvlink::config{.listen = "10.0.0.1:0"}};
-//   eng.transports();   // "rdma,tcp"; "tcp (rdma: no RDMA devices ...)" without a device
-//   auto seg = co_await eng.async_register_segment(buf, len, kvlink::access::remote_read_write,
-//                                                  asio::use_awaitable);
-//   kvlink::peer p = co_await eng.async_connect("10.0.0.2:17001", asio::use_awaitable);
-//   p.transport();      // "rdma" when both sides have a usable device, else "tcp"
-//
-// The same engine, planner and completion contract as TCP (engine.hpp); what
+// The RDMA verbs transport (kvlink::rdma::transport), one transport of an
+// engine's run-time set: kvlink/rdma.hpp makes it available to engines
+// (config.transports = "rdma,tcp"; kvlink::rdma_engine). The engine's
+// planner and completion contract are the same as for every transport; what
 // differs is below the planner:
 // - Devices: every ACTIVE port with a usable GID (device.hpp picks a RoCE v2
 //   IPv4-mapped GID by itself and says why, in a line on stderr and in the
@@ -16,12 +9,14 @@
 //   overrides the GID. One protection domain, completion channel and
 //   completion queue per port.
 // - Registration: every segment is registered with every port (in parallel,
-//   one thread per extra port); the descriptor carries one rkey per port.
+//   one thread per extra port); its key in the descriptor is one rkey per
+//   port ("keys": {"rdma": [...]}).
 // - Rails: a path to a peer has one rail per local port, paired with the
 //   peer's port on the same IPv4 subnet (by index when none is). A rail has
 //   config.rdma_qps_per_endpoint RC queue pairs, created and connected
 //   lazily: the first slice for the peer sends an "rdma_connect" over the
-//   TCP control channel and the peer answers with its queue pairs. Each
+//   engine's control channel and the peer's RDMA transport answers with its
+//   queue pairs ("rdma_accept", or "rdma_reject" with the reason). Each
 //   direction has its own queue pairs, so two engines connecting to each
 //   other at once simply get two independent sets.
 // - Slices: one signaled RDMA WRITE or READ each, given to the queue pair
@@ -46,25 +41,38 @@
 //   Slices are reported done only once no queue pair can touch their memory.
 #pragma once
 
-#include <kvlink/engine.hpp>
+#include <kvlink/control/handshake.hpp>
+#include <kvlink/control/message.hpp>
+#include <kvlink/detail/log.hpp>
+#include <kvlink/rdma/config.hpp>
 #include <kvlink/rdma/device.hpp>
 #include <kvlink/rdma/path_logic.hpp>
 #include <kvlink/rdma/verbs.hpp>
+#include <kvlink/transport/transport.hpp>
 
+#include <algorithm>
 #include <atomic>
+#include <chrono>
 #include <cstdio>
 #include <cstdlib>
+#include <deque>
 #include <map>
 #include <memory>
 #include <mutex>
+#include <optional>
 #include <random>
+#include <span>
 #include <string>
 #include <thread>
 #include <unordered_map>
 #include <vector>
 
 #include <arpa/inet.h>
+#include <asio/co_spawn.hpp>
+#include <asio/detached.hpp>
 #include <asio/posix/stream_descriptor.hpp>
+#include <asio/post.hpp>
+#include <asio/steady_timer.hpp>
 #include <fcntl.h>
 #include <ifaddrs.h>
 #include <net/if.h>
@@ -72,7 +80,7 @@
 
 namespace kvlink::rdma {
 
-class fabric;
+class transport;
 class path;
 
 namespace detail {
@@ -224,16 +232,17 @@ struct port_state {
 
 // ------------------------------------------------------------------ path
 
-/// The data path to one peer: rails x queue pairs.
-class path final : public ::kvlink::detail::fabric_path, public std::enable_shared_from_this<path> {
+/// The data path to one peer: rails x queue pairs, one lane to the planner
+/// (the path spreads slices over its rails itself).
+class path final : public data_path, public std::enable_shared_from_this<path> {
  public:
-  path(std::shared_ptr<fabric> f, ::kvlink::detail::transport_host& host,
-       ::kvlink::detail::path_context ctx, std::vector<remote_port> remote,
-       std::vector<std::size_t> pairing);
+  path(std::shared_ptr<transport> t, transport_host& host, path_context ctx,
+       std::vector<remote_port> remote, std::vector<std::size_t> pairing);
   ~path() override;
 
+  std::span<const double> lane_weights() const noexcept override { return weights_; }
   void start() override {}
-  void enqueue(const ::kvlink::detail::slice_ref& s) override { queue_.push_back({s, 0}); }
+  void enqueue(std::size_t, const slice_ref& s) override { queue_.push_back({s, 0}); }
   void pump() override;
   std::size_t drop_queued(const ::kvlink::detail::transfer_op* op) override {
     const auto before = queue_.size();
@@ -247,15 +256,20 @@ class path final : public ::kvlink::detail::fabric_path, public std::enable_shar
           if (p.p.s.op == op) return true;
     return false;
   }
+  /// Tearing the queue pairs down is what stops the device from touching the
+  /// slices' memory: the whole path goes (its peer is reported lost).
+  void fence(const ::kvlink::detail::transfer_op* op, std::error_code ec) override {
+    if (has_in_flight(op)) fail(ec);
+  }
   void fail(std::error_code ec) override;
-  void on_control(const nlohmann::json& msg) override;
+  void on_message(const nlohmann::json& msg) override;
 
   /// A completion of one of this path's queue pairs (from its port's poller).
   void on_completion(std::uint32_t rail, std::uint32_t qp, const ibv_wc& wc);
 
  private:
   struct pending {
-    ::kvlink::detail::slice_ref s;
+    slice_ref s;
     unsigned tries = 0;
     int avoid_rail = -1;  // the rail it last failed on
   };
@@ -270,7 +284,7 @@ class path final : public ::kvlink::detail::fabric_path, public std::enable_shar
     std::uint64_t bytes = 0;
   };
   struct rail {
-    std::size_t port = 0;         // index into the fabric's ports
+    std::size_t port = 0;         // index into the transport's ports
     std::size_t remote_port = 0;  // index into remote_
     rail_health health;
     std::vector<qp_slot> qps;
@@ -285,10 +299,21 @@ class path final : public ::kvlink::detail::fabric_path, public std::enable_shar
   void post_queued();
   void check_stranded();
   unsigned max_tries() const noexcept { return static_cast<unsigned>(rails_.size()) + 1; }
+  /// The peer's segment as this path addresses it: base, length, one rkey
+  /// per peer port (parsed from the cache's keys once per change).
+  struct remote_keys {
+    std::uint64_t base = 0;
+    std::uint64_t length = 0;
+    std::vector<std::uint32_t> rkeys;
+  };
+  const remote_keys* keys_of(std::uint64_t segment);
 
-  std::shared_ptr<fabric> fabric_;
-  ::kvlink::detail::transport_host& host_;
-  ::kvlink::detail::path_context ctx_;
+  std::shared_ptr<transport> transport_;
+  transport_host& host_;
+  path_context ctx_;
+  std::vector<double> weights_{1.0};
+  std::uint64_t keys_generation_ = ~std::uint64_t{0};
+  std::unordered_map<std::uint64_t, remote_keys> keys_;
   std::vector<remote_port> remote_;
   std::vector<rail> rails_;
   std::deque<pending> queue_;
@@ -297,13 +322,26 @@ class path final : public ::kvlink::detail::fabric_path, public std::enable_shar
   bool failed_ = false;
 };
 
-// ------------------------------------------------------------------ fabric
+// ------------------------------------------------------------------ transport
 
-class fabric final : public ::kvlink::detail::fabric, public std::enable_shared_from_this<fabric> {
+/// Parses the "rdma" key of a segment (one rkey per port of the peer).
+inline bool parse_rkeys(const nlohmann::json& keys, std::vector<std::uint32_t>& out) {
+  out.clear();
+  const auto it = keys.is_object() ? keys.find("rdma") : keys.end();
+  if (it == keys.end() || !it->is_array() || it->size() > 64) return false;
+  for (const auto& k : *it) {
+    if (!k.is_number_unsigned() || k.get<std::uint64_t>() > 0xffffffffu) return false;
+    out.push_back(k.get<std::uint32_t>());
+  }
+  return true;
+}
+
+class transport final : public ::kvlink::transport, public std::enable_shared_from_this<transport> {
  public:
-  fabric(const config& cfg, asio::any_io_executor strand) : cfg_(cfg), strand_(std::move(strand)) {
+  transport(transport_env env, rdma_config cfg)
+      : env_(std::move(env)), cfg_(std::move(cfg)), strand_(env_.executor) {
     discovery_options opt;
-    if (cfg_.rdma_gid_index >= 0) opt.gid_index = cfg_.rdma_gid_index;
+    if (cfg_.gid_index >= 0) opt.gid_index = cfg_.gid_index;
     std::error_code ec;
     auto found = discover(opt, ec);
     if (ec) {
@@ -311,7 +349,7 @@ class fabric final : public ::kvlink::detail::fabric, public std::enable_shared_
       for (const auto& s : found.skipped) reason_ += "; " + s;
       return;
     }
-    const auto wanted = split_names(cfg_.rdma_devices);
+    const auto wanted = split_names(cfg_.devices);
     devices_ = device_list::open(ec);
     if (ec) {
       reason_ = ec.message();
@@ -331,20 +369,17 @@ class fabric final : public ::kvlink::detail::fabric, public std::enable_shared_
     if (ports_.empty()) {
       if (reason_.empty()) {
         reason_ = wanted.empty() ? "no usable RDMA port"
-                                 : "none of the devices in config.rdma_devices ('" +
-                                       cfg_.rdma_devices + "') has a usable port";
+                                 : "none of the devices in config.rdma.devices ('" + cfg_.devices +
+                                       "') has a usable port";
       }
       return;
     }
     reason_.clear();
     available_ = true;
-    if (!quiet()) {
-      for (const auto& p : ports_)
-        std::fprintf(stderr, "kvlink: rdma: %s\n", p->info.gid.reason.c_str());
-    }
+    for (const auto& p : ports_) ::kvlink::detail::log("rdma: {}", p->info.gid.reason);
   }
 
-  ~fabric() override {
+  ~transport() override {
     shutdown();
     for (auto& p : ports_) {
       if (p->fd) p->fd->release();  // the completion channel owns the fd
@@ -353,8 +388,10 @@ class fabric final : public ::kvlink::detail::fabric, public std::enable_shared_
 
   std::string_view name() const noexcept override { return "rdma"; }
   bool available() const noexcept override { return available_; }
-  const std::string& unavailable_reason() const noexcept override { return reason_; }
-  const config& cfg() const noexcept { return cfg_; }
+  std::string unavailable_reason() const override { return reason_; }
+  memory_kinds reaches() const noexcept override { return {memory_kind::host}; }
+  const rdma_config& cfg() const noexcept { return cfg_; }
+  std::chrono::milliseconds connect_timeout() const noexcept { return env_.connect_timeout; }
   const asio::any_io_executor& strand() const noexcept { return strand_; }
   std::vector<std::unique_ptr<port_state>>& ports() noexcept { return ports_; }
   std::uint64_t next_wr_id() noexcept { return ++wr_ids_; }
@@ -380,9 +417,12 @@ class fabric final : public ::kvlink::detail::fabric, public std::enable_shared_
     return {{"ports", std::move(arr)}};
   }
 
-  std::error_code register_memory(segment_id id, void* base, std::uint64_t length, access granted,
-                                  std::string& what) override {
-    const int flags = IBV_ACCESS_LOCAL_WRITE | to_ibv_access(granted);
+  std::error_code register_memory(const segment_info& seg, std::string& what) override {
+    if (!available_) return {};
+    const segment_id id = seg.id;
+    void* base = reinterpret_cast<void*>(seg.base);
+    const std::uint64_t length = seg.length;
+    const int flags = IBV_ACCESS_LOCAL_WRITE | to_ibv_access(seg.granted);
     std::vector<memory_region> mrs(ports_.size());
     std::vector<std::error_code> errs(ports_.size());
     auto one = [&](std::size_t i) {
@@ -417,12 +457,13 @@ class fabric final : public ::kvlink::detail::fabric, public std::enable_shared_
     // ibv_dereg_mr runs here, outside the lock.
   }
 
-  std::vector<std::uint32_t> rkeys(segment_id id) const override {
+  /// One rkey per port, in descriptor order.
+  nlohmann::json segment_key(segment_id id) const override {
     std::lock_guard lock{mr_mutex_};
-    std::vector<std::uint32_t> out;
-    if (auto it = mrs_.find(id); it != mrs_.end()) {
-      for (const auto& m : it->second) out.push_back(m.rkey());
-    }
+    auto it = mrs_.find(id);
+    if (it == mrs_.end()) return nullptr;
+    auto out = nlohmann::json::array();
+    for (const auto& m : it->second) out.push_back(m.rkey());
     return out;
   }
 
@@ -438,17 +479,18 @@ class fabric final : public ::kvlink::detail::fabric, public std::enable_shared_
     return available_ && parse_remote_ports(remote, ports, why);
   }
 
-  std::shared_ptr<::kvlink::detail::fabric_path> make_path(
-      const nlohmann::json& remote, ::kvlink::detail::transport_host& host,
-      ::kvlink::detail::path_context ctx) override {
+  /// Connects lazily: nothing happens on the wire until the first slice.
+  asio::awaitable<std::error_code> connect(path_context ctx,
+                                           std::shared_ptr<data_path>& out) override {
     std::vector<remote_port> ports;
     std::string why;
-    parse_remote_ports(remote, ports, why);  // checked by reachable()
+    if (!parse_remote_ports(ctx.entry, ports, why)) co_return errc::transport_unavailable;
     std::vector<std::pair<std::string, int>> local;
     for (const auto& p : ports_) local.emplace_back(p->ipv4, p->prefix);
     auto pairing = pair_ports(local, ports);
-    return std::make_shared<path>(shared_from_this(), host, std::move(ctx), std::move(ports),
-                                  std::move(pairing));
+    out = std::make_shared<path>(shared_from_this(), *env_.host, std::move(ctx), std::move(ports),
+                                 std::move(pairing));
+    co_return std::error_code{};
   }
 
   std::optional<nlohmann::json> on_request(const void* session,
@@ -493,11 +535,6 @@ class fabric final : public ::kvlink::detail::fabric, public std::enable_shared_
   }
 
  private:
-  static bool quiet() {
-    const char* q = std::getenv("KVLINK_QUIET");
-    return q && *q && std::string_view{q} != "0";
-  }
-
   static std::vector<std::string> split_names(const std::string& s) {
     std::vector<std::string> out;
     std::size_t start = 0;
@@ -612,7 +649,7 @@ class fabric final : public ::kvlink::detail::fabric, public std::enable_shared_
     return {};
   }
 
-  static asio::awaitable<void> poll_loop(std::shared_ptr<fabric> self, std::size_t index) {
+  static asio::awaitable<void> poll_loop(std::shared_ptr<transport> self, std::size_t index) {
     constexpr int spin_limit = 64;  // empty polls with work outstanding before parking
     auto& p = *self->ports_[index];
     std::array<ibv_wc, 32> wcs{};
@@ -646,7 +683,7 @@ class fabric final : public ::kvlink::detail::fabric, public std::enable_shared_
         continue;
       }
       auto [wec] = co_await p.fd->async_wait(asio::posix::stream_descriptor::wait_read,
-                                             ::kvlink::detail::use_nothrow);
+                                             control::use_nothrow);
       if (self->stopped_ || wec == asio::error::operation_aborted) break;
       // Each event is acknowledged at once: ibv_destroy_cq waits for every
       // event taken from the channel to be acknowledged, and this coroutine
@@ -666,7 +703,8 @@ class fabric final : public ::kvlink::detail::fabric, public std::enable_shared_
     }
   }
 
-  config cfg_;
+  transport_env env_;
+  rdma_config cfg_;
   asio::any_io_executor strand_;
   bool available_ = false;
   bool stopped_ = false;
@@ -681,15 +719,14 @@ class fabric final : public ::kvlink::detail::fabric, public std::enable_shared_
 
 // ------------------------------------------------------------------ path impl
 
-inline path::path(std::shared_ptr<fabric> f, ::kvlink::detail::transport_host& host,
-                  ::kvlink::detail::path_context ctx, std::vector<remote_port> remote,
-                  std::vector<std::size_t> pairing)
-    : fabric_(std::move(f)), host_(host), ctx_(std::move(ctx)), remote_(std::move(remote)) {
+inline path::path(std::shared_ptr<transport> t, transport_host& host, path_context ctx,
+                  std::vector<remote_port> remote, std::vector<std::size_t> pairing)
+    : transport_(std::move(t)), host_(host), ctx_(std::move(ctx)), remote_(std::move(remote)) {
   for (std::size_t i = 0; i < pairing.size(); ++i) {
     rail r;
     r.port = i;
     r.remote_port = pairing[i];
-    r.timer = std::make_unique<asio::steady_timer>(fabric_->strand());
+    r.timer = std::make_unique<asio::steady_timer>(transport_->strand());
     rails_.push_back(std::move(r));
   }
 }
@@ -697,12 +734,27 @@ inline path::path(std::shared_ptr<fabric> f, ::kvlink::detail::transport_host& h
 inline path::~path() {
   for (std::uint32_t r = 0; r < rails_.size(); ++r) {
     auto& rl = rails_[r];
-    auto& port = *fabric_->ports()[rl.port];
+    auto& port = *transport_->ports()[rl.port];
     for (auto& q : rl.qps) {
       if (q.qp) port.qps.erase(q.qp.qp_num());
       port.outstanding -= std::min(port.outstanding, q.inflight.size());
     }
   }
+}
+
+inline const path::remote_keys* path::keys_of(std::uint64_t segment) {
+  // Rebuilt when the peer's segment list changed: a slice then costs one
+  // hash lookup, not a copy of the cached entry.
+  if (const auto g = ctx_.cache->generation(); g != keys_generation_) {
+    keys_.clear();
+    for (const auto& seg : ctx_.cache->segments(ctx_.peer)) {
+      remote_keys k{seg.base, seg.length, {}};
+      if (parse_rkeys(seg.keys, k.rkeys)) keys_.emplace(seg.id.value(), std::move(k));
+    }
+    keys_generation_ = g;
+  }
+  const auto it = keys_.find(segment);
+  return it == keys_.end() ? nullptr : &it->second;
 }
 
 inline void path::pump() {
@@ -726,15 +778,15 @@ inline void path::connect_rail(std::uint32_t r) {
   auto& rl = rails_[r];
   const auto gen = rl.health.begin_connect();
   if (!gen) return;
-  auto& port = *fabric_->ports()[rl.port];
-  const auto& cfg = fabric_->cfg();
+  auto& port = *transport_->ports()[rl.port];
+  const auto& cfg = transport_->cfg();
   rl.qps.clear();
   nlohmann::json qps = nlohmann::json::array();
-  for (std::uint32_t i = 0; i < cfg.rdma_qps_per_endpoint; ++i) {
+  for (std::uint32_t i = 0; i < cfg.qps_per_endpoint; ++i) {
     std::error_code ec;
     qp_slot slot;
-    slot.qp = queue_pair{port.pd,    port.cq, port.cq, qp_capacity{cfg.rdma_max_wr, 1, 1, 1, 0},
-                         IBV_QPT_RC, ec};
+    slot.qp =
+        queue_pair{port.pd, port.cq, port.cq, qp_capacity{cfg.max_wr, 1, 1, 1, 0}, IBV_QPT_RC, ec};
     if (!ec) slot.qp.to_init(port.info.port.port, IBV_ACCESS_LOCAL_WRITE, ec);
     if (ec) {
       rail_failed(r, ec);
@@ -752,7 +804,7 @@ inline void path::connect_rail(std::uint32_t r) {
              {"gid", detail::gid_wire(port.info.gid.gid)},
              {"mtu", static_cast<unsigned>(mtu_bytes(port.info.port.active_mtu))},
              {"qps", std::move(qps)}});
-  rl.timer->expires_after(cfg.connect_timeout);
+  rl.timer->expires_after(transport_->connect_timeout());
   rl.timer->async_wait([w = weak_from_this(), r, g = *gen](std::error_code ec) {
     auto self = w.lock();
     if (ec || !self || self->failed_) return;
@@ -763,7 +815,7 @@ inline void path::connect_rail(std::uint32_t r) {
   });
 }
 
-inline void path::on_control(const nlohmann::json& msg) {
+inline void path::on_message(const nlohmann::json& msg) {
   if (failed_) return;
   std::uint32_t r = 0, gen = 0;
   if (!control::get_field(msg, "rail", r) || !control::get_field(msg, "gen", gen) ||
@@ -776,7 +828,7 @@ inline void path::on_control(const nlohmann::json& msg) {
   if (type == "rdma_reject") {
     unsigned code = 0;
     if (!control::get_field(msg, "code", code) || code == 0 ||
-        code > static_cast<unsigned>(errc::instance_changed)) {
+        code > static_cast<unsigned>(errc_last)) {
       code = static_cast<unsigned>(errc::transport_unavailable);
     }
     rail_failed(r, make_error_code(static_cast<errc>(code)));
@@ -790,7 +842,7 @@ inline void path::on_control(const nlohmann::json& msg) {
     rail_failed(r, errc::malformed_message);
     return;
   }
-  auto& port = *fabric_->ports()[rl.port];
+  auto& port = *transport_->ports()[rl.port];
   const auto& rp = remote_[rl.remote_port];
   for (std::size_t i = 0; i < rl.qps.size(); ++i) {
     const auto& q = (*it)[i];
@@ -843,7 +895,7 @@ inline void path::rail_failed(std::uint32_t r, std::error_code ec, bool counts) 
 
 inline void path::teardown(std::uint32_t r, std::error_code ec, failure_kind kind) {
   auto& rl = rails_[r];
-  auto& port = *fabric_->ports()[rl.port];
+  auto& port = *transport_->ports()[rl.port];
   std::vector<pending> orphans;
   for (auto& q : rl.qps) {
     if (q.qp) {
@@ -864,7 +916,7 @@ inline void path::teardown(std::uint32_t r, std::error_code ec, failure_kind kin
 
 inline void path::requeue_or_fail(pending p, std::error_code ec, failure_kind kind,
                                   std::uint32_t on_rail) {
-  const bool stopping = p.s.op->stopping || failed_;
+  const bool stopping = failed_ || host_.stopping(p.s.op);
   if (fate_of(kind, p.tries, max_tries(), stopping) == slice_fate::fail) {
     host_.slice_done(p.s.op, 0, ec);
   } else {
@@ -874,7 +926,7 @@ inline void path::requeue_or_fail(pending p, std::error_code ec, failure_kind ki
 }
 
 inline bool path::port_active(std::size_t port) const {
-  auto& ps = *fabric_->ports()[port];
+  auto& ps = *transport_->ports()[port];
   try {
     return ps.ctx.query_port(ps.info.port.port).state == IBV_PORT_ACTIVE;
   } catch (const std::system_error&) {
@@ -884,15 +936,15 @@ inline bool path::port_active(std::size_t port) const {
 
 inline void path::post_queued() {
   if (failed_) return;
-  auto& ports = fabric_->ports();
-  const auto& cfg = fabric_->cfg();
+  auto& ports = transport_->ports();
+  const auto& cfg = transport_->cfg();
   while (!queue_.empty()) {
     loads_.clear();
     for (const auto& rl : rails_) {
       const auto& port = *ports[rl.port];
       for (const auto& q : rl.qps) {
         loads_.push_back(qp_load{rl.health.usable(), static_cast<std::uint32_t>(q.inflight.size()),
-                                 cfg.rdma_max_wr, q.bytes, port.outstanding >= port.cq_capacity});
+                                 cfg.max_wr, q.bytes, port.outstanding >= port.cq_capacity});
       }
     }
     // A slice retried after a failure goes to another rail when one has room.
@@ -920,7 +972,7 @@ inline void path::post_queued() {
     pending p = queue_.front();
     queue_.pop_front();
     const auto& s = p.s;
-    const auto seg = ctx_.cache->get(ctx_.peer, segment_id{s.segment});
+    const remote_keys* seg = keys_of(s.segment);
     if (!seg) {
       host_.slice_done(s.op, 0, errc::not_registered);
       continue;
@@ -933,12 +985,12 @@ inline void path::post_queued() {
       host_.slice_done(s.op, 0, errc::transport_unavailable);
       continue;
     }
-    const auto lkey = fabric_->lkey(s.local_segment, rl.port);
+    const auto lkey = transport_->lkey(s.local_segment, rl.port);
     if (!lkey) {
       host_.slice_done(s.op, 0, errc::not_registered);
       continue;
     }
-    const std::uint64_t wr_id = fabric_->next_wr_id();
+    const std::uint64_t wr_id = transport_->next_wr_id();
     const local_buffer local{reinterpret_cast<std::uint64_t>(s.local),
                              static_cast<std::uint32_t>(s.length), *lkey};
     const remote_buffer remote{seg->base + s.offset, seg->rkeys[rl.remote_port]};
@@ -977,7 +1029,7 @@ inline void path::on_completion(std::uint32_t r, std::uint32_t qi, const ibv_wc&
   auto done = slot.inflight.front();
   slot.inflight.pop_front();
   slot.bytes -= done.p.s.length;
-  auto& port = *fabric_->ports()[rl.port];
+  auto& port = *transport_->ports()[rl.port];
   port.outstanding -= std::min<std::size_t>(port.outstanding, 1);
   if (wc.status == IBV_WC_SUCCESS) {
     host_.slice_done(done.p.s.op, done.p.s.length, {});
@@ -1006,24 +1058,3 @@ inline void path::fail(std::error_code ec) {
 }
 
 }  // namespace kvlink::rdma
-
-namespace kvlink {
-
-/// The RDMA transport, as a template argument of basic_engine: RDMA verbs
-/// for peers that have a usable device too, TCP for the handshake, the
-/// control channel and (unless config.allow_tcp_fallback is false) peers
-/// without one.
-struct rdma_transport {
-  static constexpr std::string_view name = "rdma";
-  using lane_type = tcp::lane;
-  using server_type = tcp::lane_server;
-  static std::shared_ptr<detail::fabric> make_fabric(const config& cfg,
-                                                     asio::any_io_executor strand) {
-    return std::make_shared<rdma::fabric>(cfg, std::move(strand));
-  }
-};
-
-/// The engine over RDMA verbs (with TCP beside it), on any executor.
-using rdma_engine = basic_engine<rdma_transport>;
-
-}  // namespace kvlink

@@ -1,4 +1,4 @@
-// The TCP transport's data frame: a fixed 40-byte header, little-endian on
+// The TCP transport's data frame: a fixed 48-byte header, little-endian on
 // the wire whatever the host, followed by `length` payload bytes for
 // write_request and read_response frames.
 //
@@ -11,6 +11,14 @@
 //       16    8 segment   target segment id
 //       24    8 offset    byte offset inside the segment
 //       32    8 length    payload bytes (requested bytes for read_request)
+//       40    4 flags     bit 0: checksum (a CRC32C of the payload is checked)
+//       44    4 checksum  CRC32C of the payload this frame carries, when flagged
+//
+// Checksums: a write_request with the flag carries its payload's CRC32C;
+// the target checks the bytes it placed and answers checksum_mismatch (the
+// write is not acknowledged as done). A read_request with the flag asks the
+// target for the CRC32C of the bytes it sends, in the read_response, which
+// the initiator checks after placing them.
 //
 // Nothing is ever sent as a raw struct: encode() and decode() write and read
 // each field explicitly, so the layout does not depend on the compiler.
@@ -26,8 +34,12 @@
 namespace kvlink::tcp {
 
 inline constexpr std::uint32_t frame_magic = 0x4B564C44u;
-inline constexpr std::uint8_t frame_version = 1;
-inline constexpr std::size_t frame_header_size = 40;
+inline constexpr std::uint8_t frame_version = 2;
+inline constexpr std::size_t frame_header_size = 48;
+
+/// Bits of frame_header::flags.
+inline constexpr std::uint32_t frame_flag_checksum = 1u;
+inline constexpr std::uint32_t frame_known_flags = frame_flag_checksum;
 
 enum class frame_type : std::uint8_t {
   write_request = 1,  ///< initiator -> target, payload follows
@@ -43,6 +55,8 @@ struct frame_header {
   std::uint64_t segment = 0;
   std::uint64_t offset = 0;
   std::uint64_t length = 0;
+  std::uint32_t flags = 0;
+  std::uint32_t checksum = 0;
 };
 
 using frame_bytes = std::array<std::byte, frame_header_size>;
@@ -73,6 +87,8 @@ constexpr void encode(const frame_header& h, std::byte* out) noexcept {
   byte_order::put_le<std::uint64_t>(out + 16, h.segment);
   byte_order::put_le<std::uint64_t>(out + 24, h.offset);
   byte_order::put_le<std::uint64_t>(out + 32, h.length);
+  byte_order::put_le<std::uint32_t>(out + 40, h.flags);
+  byte_order::put_le<std::uint32_t>(out + 44, h.checksum);
 }
 
 constexpr frame_bytes encode(const frame_header& h) noexcept {
@@ -82,7 +98,8 @@ constexpr frame_bytes encode(const frame_header& h) noexcept {
 }
 
 /// Parses a header. A wrong magic, an unknown version or type gives
-/// errc::malformed_message (errc::protocol_version_mismatch for the version):
+/// errc::malformed_message (errc::protocol_version_mismatch for the version;
+/// flags this version does not know are malformed too):
 /// the stream cannot be trusted any more and the connection must close.
 /// Semantic checks (segment, bounds, access) are the receiver's business.
 inline std::error_code decode(const std::byte* in, frame_header& h) noexcept {
@@ -102,6 +119,9 @@ inline std::error_code decode(const std::byte* in, frame_header& h) noexcept {
   h.segment = byte_order::get_le<std::uint64_t>(in + 16);
   h.offset = byte_order::get_le<std::uint64_t>(in + 24);
   h.length = byte_order::get_le<std::uint64_t>(in + 32);
+  h.flags = byte_order::get_le<std::uint32_t>(in + 40);
+  h.checksum = byte_order::get_le<std::uint32_t>(in + 44);
+  if ((h.flags & ~frame_known_flags) != 0) return errc::malformed_message;
   return {};
 }
 
@@ -111,7 +131,7 @@ inline std::error_code status_to_error(std::uint16_t status) noexcept {
   if (status == 0) {
     return {};
   }
-  if (status > static_cast<std::uint16_t>(errc::instance_changed)) {
+  if (status > static_cast<std::uint16_t>(errc_last)) {
     return errc::malformed_message;
   }
   return static_cast<errc>(status);

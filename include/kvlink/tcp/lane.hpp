@@ -1,31 +1,32 @@
-// The TCP transport's lanes: one persistent connection each.
+// The TCP transport's initiator side: one lane is one persistent
+// connection to a peer's engine.
 //
-// Initiator side (`lane`): slices queue up per lane and are sent back to back
-// (many in flight, up to a window), headers and payloads gathered into one
-// write straight from the caller's memory. Responses come back in order on
-// the same connection; write acknowledgements are read in bulk, read
-// responses' payloads are read straight into the caller's memory. The lane
-// never reads past the response it expects next, so no payload byte is ever
-// staged in a buffer of ours.
+// Slices queue up per lane and are sent back to back (many in flight, up to
+// a window), headers and payloads gathered into one write straight from the
+// caller's memory. Responses come back in order on the same connection;
+// write acknowledgements are read in bulk, read responses' payloads are read
+// straight into the caller's memory. The lane never reads past the response
+// it expects next, so no payload byte is ever staged in a buffer of ours.
 //
-// Target side (`lane_server`): reads a header, checks (segment, offset,
-// length) and the access granted against the registry *before* touching
-// memory, then reads the payload straight into the segment (WRITE) or sends
-// it straight from the segment (READ). A rejected WRITE's payload is drained
-// into a scratch buffer and answered with an error status; a frame that
-// cannot be trusted (bad magic or version, unknown type, a length above
-// max_frame_payload) closes the connection.
+// A fault in our own memory (a local buffer unmapped or protected after its
+// registration: the kernel answers EFAULT) breaks the stream but says
+// nothing about the peer: the slices whose buffers are not readable fail
+// with errc::local_memory_fault, the others go back to the path
+// (on_broken), which opens a new connection for them.
 //
-// Both run on the engine's strand; they report to a transport_host.
+// Runs on the executor of its socket; reports to a transport_host.
 #pragma once
 
+#include <kvlink/control/socket.hpp>
+#include <kvlink/core/crc32c.hpp>
 #include <kvlink/core/error.hpp>
-#include <kvlink/core/segment_registry.hpp>
-#include <kvlink/detail/transfer_op.hpp>
+#include <kvlink/detail/log.hpp>
 #include <kvlink/tcp/frame.hpp>
+#include <kvlink/transport/transport.hpp>
 
 #include <algorithm>
 #include <array>
+#include <cerrno>
 #include <cstring>
 #include <deque>
 #include <functional>
@@ -33,70 +34,79 @@
 #include <vector>
 
 #include <asio/buffer.hpp>
+#include <asio/error.hpp>
 #include <asio/ip/tcp.hpp>
 #include <asio/read.hpp>
 #include <asio/write.hpp>
+#include <sys/uio.h>
+#include <unistd.h>
 
 namespace kvlink::tcp {
 
-/// Maps socket-level failures to what a user can act on.
-inline std::error_code map_socket_error(std::error_code ec) {
-  if (ec == asio::error::eof || ec == asio::error::connection_reset ||
-      ec == asio::error::broken_pipe || ec == asio::error::connection_aborted ||
-      ec == asio::error::not_connected) {
-    return errc::peer_closed;
-  }
-  return ec;
+/// EFAULT from the kernel: a buffer of ours was not accessible.
+inline bool is_bad_address(std::error_code ec) {
+  return ec.value() == EFAULT && (ec.category() == asio::error::get_system_category() ||
+                                  ec.category() == std::system_category());
 }
 
-/// Applies the configured socket options (TCP_NODELAY, buffer sizes).
-inline void tune_socket(asio::ip::tcp::socket& s, bool nodelay, std::uint64_t buffer_bytes) {
-  std::error_code ignored;
-  s.set_option(asio::ip::tcp::no_delay{nodelay}, ignored);
-  if (buffer_bytes > 0) {
-    const int v = static_cast<int>(std::min<std::uint64_t>(buffer_bytes, 1u << 30));
-    s.set_option(asio::socket_base::send_buffer_size{v}, ignored);
-    s.set_option(asio::socket_base::receive_buffer_size{v}, ignored);
+/// Whether [p, p + n) can be read by this process, found without faulting:
+/// the kernel copies it (process_vm_readv on ourselves), in chunks.
+inline bool readable(const std::byte* p, std::uint64_t n) {
+  thread_local std::array<std::byte, 64u << 10> scratch;
+  for (std::uint64_t done = 0; done < n;) {
+    const auto len = static_cast<std::size_t>(std::min<std::uint64_t>(n - done, scratch.size()));
+    iovec local{scratch.data(), len};
+    iovec remote{const_cast<std::byte*>(p + done), len};
+    const auto got = ::process_vm_readv(::getpid(), &local, 1, &remote, 1, 0);
+    if (got <= 0) return false;
+    done += static_cast<std::uint64_t>(got);
   }
+  return true;
 }
 
 // ------------------------------------------------------------------ lane
 
-class lane final : public detail::lane_base, public std::enable_shared_from_this<lane> {
+class lane final : public std::enable_shared_from_this<lane> {
  public:
   static constexpr std::size_t max_batch_frames = 64;
   static constexpr std::uint64_t max_batch_bytes = 8u << 20;
 
-  lane(asio::ip::tcp::socket socket, detail::transport_host& host, std::size_t window,
-       std::function<void(std::error_code)> on_failure)
+  using broken_fn = std::function<void(std::deque<slice_ref>)>;
+
+  /// `on_failure`: the lane failed for good (the peer is gone). `on_broken`:
+  /// our own memory broke the stream; the slices to carry on another
+  /// connection are handed over (when not given, they fail like the rest).
+  lane(asio::ip::tcp::socket socket, transport_host& host, std::size_t window,
+       std::function<void(std::error_code)> on_failure, broken_fn on_broken = nullptr)
       : socket_(std::move(socket)),
         host_(host),
         window_(std::max<std::size_t>(window, 1)),
-        on_failure_(std::move(on_failure)) {
+        on_failure_(std::move(on_failure)),
+        on_broken_(std::move(on_broken)) {
     send_headers_.reserve(max_batch_frames);
     send_bufs_.reserve(2 * max_batch_frames);
   }
 
   /// Starts the receive loop (it also notices a peer that goes away while
   /// the lane is idle).
-  void start() override { receive(); }
+  void start() { receive(); }
 
   bool failed() const noexcept { return failed_; }
   std::size_t queued() const noexcept { return queue_.size(); }
   std::size_t in_flight() const noexcept { return inflight_.size(); }
 
   /// Queues a slice; it is sent when the window has room.
-  void enqueue(const detail::slice_ref& s) override { queue_.push_back(s); }
+  void enqueue(const slice_ref& s) { queue_.push_back(s); }
 
   /// Sends what the window allows. Call after enqueue().
-  void pump() override {
+  void pump() {
     if (writing_ || failed_) return;
     send_headers_.clear();
     send_bufs_.clear();
     std::uint64_t bytes = 0;
     while (!queue_.empty() && inflight_.size() < window_ &&
            send_headers_.size() < max_batch_frames && bytes < max_batch_bytes) {
-      detail::slice_ref s = queue_.front();
+      slice_ref s = queue_.front();
       queue_.pop_front();
       s.tag = next_tag_++;
       frame_header h;
@@ -105,6 +115,11 @@ class lane final : public detail::lane_base, public std::enable_shared_from_this
       h.segment = s.segment;
       h.offset = s.offset;
       h.length = s.length;
+      if (s.checksum) {
+        h.flags = frame_flag_checksum;
+        if (s.kind == opcode::write)
+          h.checksum = crc32c(s.local, static_cast<std::size_t>(s.length));
+      }
       send_headers_.push_back(encode(h));
       send_bufs_.emplace_back(send_headers_.back().data(), frame_header_size);
       if (s.kind == opcode::write) {
@@ -118,8 +133,12 @@ class lane final : public detail::lane_base, public std::enable_shared_from_this
     asio::async_write(socket_, send_bufs_,
                       [self = shared_from_this()](std::error_code ec, std::size_t) {
                         self->writing_ = false;
+                        if (is_bad_address(ec)) {
+                          self->local_fault(nullptr);
+                          return;
+                        }
                         if (ec) {
-                          self->fail(map_socket_error(ec));
+                          self->fail(control::map_socket_error(ec));
                           return;
                         }
                         self->pump();
@@ -128,13 +147,13 @@ class lane final : public detail::lane_base, public std::enable_shared_from_this
 
   /// Removes queued (not yet sent) slices of `op`; returns how many. They are
   /// not reported through slice_done: the caller accounts for them.
-  std::size_t drop_queued(const detail::transfer_op* op) override {
+  std::size_t drop_queued(const detail::transfer_op* op) {
     const auto before = queue_.size();
-    std::erase_if(queue_, [op](const detail::slice_ref& s) { return s.op == op; });
+    std::erase_if(queue_, [op](const slice_ref& s) { return s.op == op; });
     return before - queue_.size();
   }
 
-  bool has_in_flight(const detail::transfer_op* op) const override {
+  bool has_in_flight(const detail::transfer_op* op) const {
     return std::any_of(inflight_.begin(), inflight_.end(),
                        [op](const auto& s) { return s.op == op; });
   }
@@ -142,7 +161,7 @@ class lane final : public detail::lane_base, public std::enable_shared_from_this
   /// Closes the connection and resolves every queued and in-flight slice
   /// with `ec`. Once the socket is closed the kernel no longer reads from or
   /// writes to any slice's memory, so reporting them done here is safe.
-  void fail(std::error_code ec) override {
+  void fail(std::error_code ec) {
     if (failed_) return;
     failed_ = true;
     std::error_code ignored;
@@ -161,6 +180,41 @@ class lane final : public detail::lane_base, public std::enable_shared_from_this
   }
 
  private:
+  // The stream broke on our own memory. `culprit`: the tag of the slice
+  // whose buffer faulted, when known; otherwise every slice is probed.
+  void local_fault(const std::uint64_t* culprit) {
+    if (failed_) return;
+    failed_ = true;
+    std::error_code ignored;
+    socket_.shutdown(asio::socket_base::shutdown_both, ignored);
+    socket_.close(ignored);
+    std::deque<slice_ref> all = std::move(inflight_);
+    for (auto& s : queue_) all.push_back(s);
+    inflight_.clear();
+    queue_.clear();
+    std::deque<slice_ref> survivors;
+    for (auto& s : all) {
+      const bool bad = (culprit != nullptr && s.tag == *culprit) || !readable(s.local, s.length);
+      if (bad) {
+        detail::log("{} of {} bytes at {} failed: the local buffer is not accessible memory",
+                    s.kind == opcode::write ? "WRITE" : "READ", s.length,
+                    static_cast<const void*>(s.local));
+        host_.slice_done(s.op, 0, errc::local_memory_fault);
+      } else {
+        s.tag = 0;
+        survivors.push_back(s);
+      }
+    }
+    if (on_broken_) {
+      auto cb = std::move(on_broken_);
+      on_failure_ = nullptr;
+      cb(std::move(survivors));
+      return;
+    }
+    for (const auto& s : survivors) host_.slice_done(s.op, 0, errc::peer_closed);
+    if (auto cb = std::move(on_failure_)) cb(errc::peer_closed);
+  }
+
   void receive() {
     if (failed_ || receiving_) return;
     // Read at most the headers of the responses expected next, up to and
@@ -186,7 +240,7 @@ class lane final : public detail::lane_base, public std::enable_shared_from_this
   void on_headers(std::error_code ec, std::size_t n) {
     if (failed_) return;
     if (ec) {
-      fail(map_socket_error(ec));
+      fail(control::map_socket_error(ec));
       return;
     }
     have_ += n;
@@ -203,12 +257,14 @@ class lane final : public detail::lane_base, public std::enable_shared_from_this
         fail(errc::malformed_message);  // a response nobody asked for
         return;
       }
-      detail::slice_ref s = inflight_.front();
+      slice_ref s = inflight_.front();
       const auto expected =
           s.kind == opcode::write ? frame_type::write_ack : frame_type::read_response;
       const auto status = status_to_error(h.status);
       if (h.type != expected || (status && h.length != 0) ||
-          (!status && s.kind == opcode::read && h.length != s.length)) {
+          (!status && s.kind == opcode::read && h.length != s.length) ||
+          (!status && s.kind == opcode::read && s.checksum &&
+           (h.flags & frame_flag_checksum) == 0)) {
         fail(errc::malformed_message);
         return;
       }
@@ -221,20 +277,33 @@ class lane final : public detail::lane_base, public std::enable_shared_from_this
         }
         have_ = 0;
         receiving_ = true;
-        asio::async_read(socket_, asio::buffer(s.local, static_cast<std::size_t>(s.length)),
-                         [self = shared_from_this()](std::error_code rec, std::size_t) {
-                           self->receiving_ = false;
-                           if (self->failed_) return;
-                           if (rec) {
-                             self->fail(map_socket_error(rec));
-                             return;
-                           }
-                           const auto done = self->inflight_.front();
-                           self->inflight_.pop_front();
-                           self->host_.slice_done(done.op, done.length, {});
-                           self->pump();
-                           self->receive();
-                         });
+        asio::async_read(
+            socket_, asio::buffer(s.local, static_cast<std::size_t>(s.length)),
+            [self = shared_from_this(), crc = h.checksum](std::error_code rec, std::size_t) {
+              self->receiving_ = false;
+              if (self->failed_) return;
+              if (is_bad_address(rec)) {
+                // The destination of the READ being received.
+                const auto culprit = self->inflight_.front().tag;
+                self->local_fault(&culprit);
+                return;
+              }
+              if (rec) {
+                self->fail(control::map_socket_error(rec));
+                return;
+              }
+              const auto done = self->inflight_.front();
+              self->inflight_.pop_front();
+              // With a checksum, a corrupted payload is never
+              // reported as read (its bytes are in place, though).
+              const bool bad =
+                  done.checksum && crc32c(done.local, static_cast<std::size_t>(done.length)) != crc;
+              self->host_.slice_done(
+                  done.op, bad ? 0 : done.length,
+                  bad ? std::error_code{errc::checksum_mismatch} : std::error_code{});
+              self->pump();
+              self->receive();
+            });
         return;
       }
       inflight_.pop_front();
@@ -248,12 +317,13 @@ class lane final : public detail::lane_base, public std::enable_shared_from_this
   }
 
   asio::ip::tcp::socket socket_;
-  detail::transport_host& host_;
+  transport_host& host_;
   std::size_t window_;
   std::function<void(std::error_code)> on_failure_;
-  std::deque<detail::slice_ref> queue_;     // planned, not yet sent
-  std::deque<detail::slice_ref> inflight_;  // sent, response pending, in send order
-  std::vector<frame_bytes> send_headers_;   // headers of the write in progress
+  broken_fn on_broken_;
+  std::deque<slice_ref> queue_;            // planned, not yet sent
+  std::deque<slice_ref> inflight_;         // sent, response pending, in send order
+  std::vector<frame_bytes> send_headers_;  // headers of the write in progress
   std::vector<asio::const_buffer> send_bufs_;
   std::array<frame_bytes, 64> recv_buf_{};
   std::size_t have_ = 0;  // bytes of a partial header at the start of recv_buf_
@@ -261,218 +331,6 @@ class lane final : public detail::lane_base, public std::enable_shared_from_this
   bool writing_ = false;
   bool receiving_ = false;
   bool failed_ = false;
-};
-
-// ------------------------------------------------------------------ server
-
-class lane_server : public std::enable_shared_from_this<lane_server> {
- public:
-  /// Responses waiting to be written before the server stops reading new
-  /// requests: a client that never reads its responses cannot make the
-  /// target buffer without bound.
-  static constexpr std::size_t max_pending_responses = 1024;
-  static constexpr std::size_t drain_chunk = 256u << 10;
-  static constexpr std::size_t max_deferred_responses = 32;
-  static constexpr std::uint64_t max_deferred_payload = 64u << 10;
-
-  lane_server(asio::ip::tcp::socket socket, const segment_registry& registry,
-              detail::transport_host& host, std::uint64_t max_frame_payload)
-      : socket_(std::move(socket)),
-        registry_(registry),
-        host_(host),
-        max_payload_(max_frame_payload) {}
-
-  void start() { read_header(); }
-
-  void close() {
-    if (closed_) return;
-    closed_ = true;
-    std::error_code ignored;
-    socket_.shutdown(asio::socket_base::shutdown_both, ignored);
-    socket_.close(ignored);
-    // Pins of responses not yet written are released here: the socket is
-    // closed, nothing reads segment memory for them any more.
-    for (auto& r : out_) {
-      if (r.pinned) host_.unpin(r.segment);
-    }
-    out_.clear();
-    if (pinned_read_) {
-      host_.unpin(pinned_read_segment_);
-      pinned_read_ = false;
-    }
-  }
-
-  bool closed() const noexcept { return closed_; }
-
- private:
-  struct response {
-    frame_bytes header;
-    const std::byte* payload = nullptr;
-    std::uint64_t length = 0;
-    segment_id segment{};
-    bool pinned = false;
-  };
-
-  void read_header() {
-    if (closed_) return;
-    if (out_.size() >= max_pending_responses) {
-      paused_ = true;  // resumed by the writer
-      return;
-    }
-    asio::async_read(
-        socket_, asio::buffer(in_),
-        [self = shared_from_this()](std::error_code ec, std::size_t) { self->on_header(ec); });
-  }
-
-  void on_header(std::error_code ec) {
-    if (closed_) return;
-    if (ec) {
-      close();
-      return;
-    }
-    frame_header h;
-    if (decode(in_.data(), h) ||
-        (h.type != frame_type::write_request && h.type != frame_type::read_request) ||
-        h.length > max_payload_ || h.status != 0) {
-      close();  // cannot trust the stream any more
-      return;
-    }
-    const segment_id seg{h.segment};
-    if (h.type == frame_type::write_request) {
-      std::byte* dst = nullptr;
-      const auto check = h.length == 0 ? std::error_code{errc::invalid_argument}
-                                       : registry_.check_remote_access(seg, h.offset, h.length,
-                                                                       access::remote_write, dst);
-      if (check) {
-        drain(h, check);
-        return;
-      }
-      host_.pin(seg);
-      pinned_read_ = true;
-      pinned_read_segment_ = seg;
-      asio::async_read(socket_, asio::buffer(dst, static_cast<std::size_t>(h.length)),
-                       [self = shared_from_this(), h](std::error_code rec, std::size_t) {
-                         if (self->closed_) return;
-                         self->pinned_read_ = false;
-                         self->host_.unpin(segment_id{h.segment});
-                         if (rec) {
-                           self->close();
-                           return;
-                         }
-                         self->respond(frame_type::write_ack, h, {}, nullptr, segment_id{}, false);
-                         self->read_header();
-                       });
-      return;
-    }
-    std::byte* src = nullptr;
-    const auto check = h.length == 0 ? std::error_code{errc::invalid_argument}
-                                     : registry_.check_remote_access(seg, h.offset, h.length,
-                                                                     access::remote_read, src);
-    if (check) {
-      respond(frame_type::read_response, h, check, nullptr, segment_id{}, false);
-    } else {
-      host_.pin(seg);
-      respond(frame_type::read_response, h, {}, src, seg, true);
-    }
-    read_header();
-  }
-
-  // Reads and discards a rejected WRITE's payload (bounded by
-  // max_frame_payload), then answers with the error.
-  void drain(const frame_header& h, std::error_code why) {
-    if (scratch_.empty()) scratch_.resize(drain_chunk);
-    drain_left_ = h.length;
-    drain_step(h, why);
-  }
-
-  void drain_step(const frame_header& h, std::error_code why) {
-    if (drain_left_ == 0) {
-      respond(frame_type::write_ack, h, why, nullptr, segment_id{}, false);
-      read_header();
-      return;
-    }
-    const auto n = static_cast<std::size_t>(std::min<std::uint64_t>(drain_left_, scratch_.size()));
-    asio::async_read(socket_, asio::buffer(scratch_.data(), n),
-                     [self = shared_from_this(), h, why](std::error_code ec, std::size_t got) {
-                       if (self->closed_) return;
-                       if (ec) {
-                         self->close();
-                         return;
-                       }
-                       self->drain_left_ -= got;
-                       self->drain_step(h, why);
-                     });
-  }
-
-  void respond(frame_type type, const frame_header& req, std::error_code status,
-               const std::byte* payload, segment_id seg, bool pinned) {
-    frame_header h;
-    h.type = type;
-    h.tag = req.tag;
-    h.segment = req.segment;
-    h.offset = req.offset;
-    h.status = error_to_status(status);
-    h.length = (type == frame_type::read_response && !status) ? req.length : 0;
-    out_.push_back(response{encode(h), payload, h.length, seg, pinned});
-    // After a small frame, when the next request is already waiting in the
-    // socket, answer it together with this one: one send for a run of small
-    // frames instead of one each. The read loop is about to take that
-    // request, so the flush is only put off, never skipped; bounded by
-    // max_deferred_responses. Large frames are answered at once: their
-    // answer costs little next to their payload, and delaying it would delay
-    // the initiator by a whole frame.
-    if (!writing_ && out_.size() < max_deferred_responses && req.length <= max_deferred_payload) {
-      std::error_code ec;
-      if (socket_.available(ec) >= frame_header_size && !ec) return;
-    }
-    write();
-  }
-
-  void write() {
-    if (writing_ || closed_ || out_.empty()) return;
-    bufs_.clear();
-    batch_ = 0;
-    for (const auto& r : out_) {
-      if (batch_ == 64) break;
-      bufs_.emplace_back(r.header.data(), r.header.size());
-      if (r.length > 0) bufs_.emplace_back(r.payload, static_cast<std::size_t>(r.length));
-      ++batch_;
-    }
-    writing_ = true;
-    asio::async_write(socket_, bufs_, [self = shared_from_this()](std::error_code ec, std::size_t) {
-      self->writing_ = false;
-      if (self->closed_) return;
-      if (ec) {
-        self->close();
-        return;
-      }
-      for (std::size_t i = 0; i < self->batch_; ++i) {
-        if (self->out_.front().pinned) self->host_.unpin(self->out_.front().segment);
-        self->out_.pop_front();
-      }
-      if (self->paused_ && self->out_.size() < max_pending_responses / 2) {
-        self->paused_ = false;
-        self->read_header();
-      }
-      self->write();
-    });
-  }
-
-  asio::ip::tcp::socket socket_;
-  const segment_registry& registry_;
-  detail::transport_host& host_;
-  std::uint64_t max_payload_;
-  frame_bytes in_{};
-  std::deque<response> out_;
-  std::vector<asio::const_buffer> bufs_;
-  std::size_t batch_ = 0;
-  std::vector<std::byte> scratch_;
-  std::uint64_t drain_left_ = 0;
-  segment_id pinned_read_segment_{};
-  bool pinned_read_ = false;
-  bool writing_ = false;
-  bool paused_ = false;
-  bool closed_ = false;
 };
 
 }  // namespace kvlink::tcp

@@ -23,9 +23,10 @@
 //      transport_unavailable
 //   5. the peer killed during a 48 MiB WRITE: the transfer fails with a clear
 //      error within its deadline
-#include <kvlink/rdma/transport.hpp>
+#include <kvlink/rdma.hpp>
 
 #include <algorithm>
+#include <array>
 #include <csignal>
 #include <cstdio>
 #include <cstdlib>
@@ -48,7 +49,7 @@ namespace {
 using namespace std::chrono_literals;
 using kvlink_test::fill_pattern;
 using kvlink_test::is_pattern;
-constexpr auto aw = kvlink::detail::use_nothrow;
+constexpr auto aw = kvlink::control::use_nothrow;
 
 constexpr std::uint64_t server_size = 64ull << 20;  // MiB = 2^20 B
 constexpr std::uint64_t client_size = 64ull << 20;
@@ -145,7 +146,7 @@ int run_server() {
   const auto self = env("KVLINK_SELF0", "127.0.0.1");
   kvlink::rdma_engine rdma{io.get_executor(), kvlink::config{.listen = self + ":17001"}};
   kvlink::config tcp_only{.listen = self + ":17002"};
-  tcp_only.rdma_devices = "no-such-device";
+  tcp_only.rdma.devices = "no-such-device";
   kvlink::rdma_engine plain{io.get_executor(), tcp_only};
   std::printf("server: %s offers %s; %s offers %s\n", rdma.local_address().c_str(),
               rdma.transports().c_str(), plain.local_address().c_str(), plain.transports().c_str());
@@ -156,6 +157,14 @@ int run_server() {
   plain.register_segment(d.data, d.size, kvlink::access::none);
   asio::co_spawn(io, serve_checks(rdma, a, c, "rdma"), asio::detached);
   asio::co_spawn(io, serve_checks(plain, b, d, "tcp"), asio::detached);
+  // An RDMA engine that authenticates its peers (scenario 4d).
+  kvlink::config secured_cfg{.listen = self + ":17004"};
+  secured_cfg.auth_secret = "vm-secret";
+  kvlink::rdma_engine secured{io.get_executor(), secured_cfg};
+  buffer e(8ull << 20), f(1ull << 20);
+  secured.register_segment(e.data, e.size, kvlink::access::remote_read_write);
+  secured.register_segment(f.data, f.size, kvlink::access::none);
+  asio::co_spawn(io, serve_checks(secured, e, f, "secured"), asio::detached);
   std::printf("server: ready\n");
   std::fflush(stdout);
   // The client ends the run (scenario 5 kills this process); a client that
@@ -351,6 +360,49 @@ struct client {
                  (sec ? sec.message() : std::string("connected (wrong)")));
       (void)sp;
     }
+    // 4d. Authentication over the real path: the same secret gets RDMA and
+    // bytes verified; a wrong secret and no secret are refused.
+    {
+      kvlink::config good{.listen = env("KVLINK_SELF0", "127.0.0.1") + ":0"};
+      good.auth_secret = "vm-secret";
+      kvlink::rdma_engine e5{io.get_executor(), good};
+      buffer m5(4ull << 20);
+      e5.register_segment(m5.data, m5.size, kvlink::access::remote_read_write);
+      auto [ec, p] = co_await e5.async_connect(target + ":17004", aw);
+      bool ok = !ec && p.transport() == "rdma";
+      std::string verdict = "-";
+      if (ok) {
+        fill_pattern(m5.data, m5.size, 51, 0);
+        std::vector<kvlink::transfer_request> reqs{
+            {kvlink::opcode::write, m5.data, p.segment(0), 0, m5.size}};
+        auto [tec, r] = co_await e5.async_submit_transfer(reqs, aw);
+        (void)r;
+        // No co_await inside a conditional expression: g++ 12 mishandles it.
+        if (tec) {
+          verdict = tec.message();
+        } else {
+          verdict = co_await check(e5, p, 0, m5.size, 51);
+        }
+        ok = verdict == "ok";
+      }
+      std::vector<std::string> refusals;
+      const std::array<std::string, 2> secrets{"wrong", ""};
+      for (const auto& secret : secrets) {
+        kvlink::config bad{.listen = env("KVLINK_SELF0", "127.0.0.1") + ":0"};
+        bad.auth_secret = secret;
+        kvlink::rdma_engine e6{io.get_executor(), bad};
+        auto [bec, bp] = co_await e6.async_connect(target + ":17004", aw);
+        (void)bp;
+        std::string refusal = "connected (wrong)";
+        if (bec) refusal = bec.message();
+        refusals.push_back(refusal);
+        ok = ok && bec == kvlink::errc::authentication_failed;
+      }
+      report(ok, fmt::format("authenticated RDMA peer: connect {}, transport {}, 4 MiB WRITE "
+                             "target says {}; wrong secret: {}; no secret: {}",
+                             ec ? ec.message() : "ok", ec ? "-" : p.transport(), verdict,
+                             refusals[0], refusals[1]));
+    }
     // 4b. Both directions at once, both paths new: a fresh engine asks the
     // server to WRITE into it while it WRITEs to the server; the two
     // engines' queue-pair set-ups cross.
@@ -393,12 +445,12 @@ struct client {
       nlohmann::json welcome;
       std::error_code hec = rec ? rec : cec;
       if (!hec) {
-        hec = co_await kvlink::detail::write_message(
+        hec = co_await kvlink::control::write_message(
             s, kvlink::control::make_hello(kvlink::protocol_version, kvlink::make_instance_id(),
                                            kvlink::control::role::control, 0, std::nullopt,
                                            "10.77.1.2:1"));
       }
-      if (!hec) hec = co_await kvlink::detail::read_message(s, 1 << 20, welcome);
+      if (!hec) hec = co_await kvlink::control::read_message(s, 1 << 20, welcome);
       const auto gid = welcome.value("descriptor", nlohmann::json{})
                            .value("transports", nlohmann::json{})
                            .value("rdma", nlohmann::json{})
@@ -431,10 +483,16 @@ struct client {
       int rejected = 0;
       for (auto& m : bad) {
         if (hec) break;
-        hec = co_await kvlink::detail::write_message(s, m);
+        hec = co_await kvlink::control::write_message(
+            s, kvlink::control::make_transport_message("rdma", m));
         nlohmann::json reply;
-        if (!hec) hec = co_await kvlink::detail::read_message(s, 1 << 20, reply);
-        if (!hec && reply.value("type", std::string{}) == "rdma_reject") ++rejected;
+        if (!hec) hec = co_await kvlink::control::read_message(s, 1 << 20, reply);
+        std::string from;
+        const nlohmann::json* body = nullptr;
+        if (!hec && kvlink::control::parse_transport_message(reply, from, body) && from == "rdma" &&
+            body->value("type", std::string{}) == "rdma_reject") {
+          ++rejected;
+        }
       }
       report(!hec && rejected == static_cast<int>(bad.size()) && !good_gid.empty(),
              fmt::format("{} hostile rdma_connect requests: {} refused with rdma_reject{}",
@@ -504,7 +562,7 @@ int run_client() {
 // ib_write_bw uses), one registered buffer.
 kvlink::config bench_config(const char* port) {
   kvlink::config cfg{.listen = env("KVLINK_SELF0", "127.0.0.1") + port};
-  cfg.rdma_devices = env("KVLINK_BENCH_DEVICES", "rxe0");
+  cfg.rdma.devices = env("KVLINK_BENCH_DEVICES", "rxe0");
   return cfg;
 }
 

@@ -15,7 +15,7 @@ TEST_CASE("errc converts to std::error_code with kvlink's category") {
 
 TEST_CASE("every errc has its own, non-generic message") {
   std::set<std::string> seen;
-  for (int v = 1; v <= static_cast<int>(kvlink::errc::instance_changed); ++v) {
+  for (int v = 1; v <= static_cast<int>(kvlink::errc_last); ++v) {
     auto msg = kvlink::make_error_code(static_cast<kvlink::errc>(v)).message();
     CHECK(msg != "unknown kvlink error");
     CHECK(seen.insert(msg).second);

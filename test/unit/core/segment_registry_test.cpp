@@ -351,12 +351,17 @@ TEST_CASE("remote_segment_cache: put, get, erase, drop_instance, check") {
   CHECK_FALSE(cache.get(p1, segment_id{1}).has_value());
   CHECK(cache.check(p1, segment_id{1}, 0, 1, access::remote_read) == errc::not_registered);
 
-  cache.put(p1, {segment_id{2}, 0xa000, 0x1000, access::remote_write, {11, 12}});
-  cache.put(p1, {segment_id{1}, 0xb000, 0x100, access::remote_read, {}});
-  cache.put(p2, {segment_id{1}, 0xc000, 0x800, access::remote_read_write, {21}});
+  const auto keys = [](std::vector<std::uint32_t> rkeys) {
+    return nlohmann::json{{"rdma", std::move(rkeys)}};
+  };
+  const auto g0 = cache.generation();
+  cache.put(p1, {segment_id{2}, 0xa000, 0x1000, access::remote_write, keys({11, 12})});
+  cache.put(p1, {segment_id{1}, 0xb000, 0x100, access::remote_read, nlohmann::json::object()});
+  cache.put(p2, {segment_id{1}, 0xc000, 0x800, access::remote_read_write, keys({21})});
+  CHECK(cache.generation() == g0 + 3);  // every change moves it
   CHECK(cache.size() == 3);
   REQUIRE(cache.get(p1, segment_id{2}).has_value());
-  CHECK(cache.get(p1, segment_id{2})->rkeys == std::vector<std::uint32_t>{11, 12});
+  CHECK(cache.get(p1, segment_id{2})->keys == keys({11, 12}));
   CHECK(cache.get(p1, segment_id{1})->base == 0xb000);
   CHECK(cache.get(p2, segment_id{1})->base == 0xc000);  // same id, other instance
   CHECK_FALSE(cache.get(p2, segment_id{2}).has_value());
@@ -368,10 +373,10 @@ TEST_CASE("remote_segment_cache: put, get, erase, drop_instance, check") {
   CHECK(cache.segments(kvlink::instance_id{9, 9}).empty());
 
   // Replace.
-  cache.put(p1, {segment_id{1}, 0xb000, 0x200, access::remote_read_write, {5}});
+  cache.put(p1, {segment_id{1}, 0xb000, 0x200, access::remote_read_write, keys({5})});
   CHECK(cache.size() == 3);
   CHECK(cache.get(p1, segment_id{1})->length == 0x200);
-  CHECK(cache.get(p1, segment_id{1})->rkeys == std::vector<std::uint32_t>{5});
+  CHECK(cache.get(p1, segment_id{1})->keys == keys({5}));
 
   // check: same rules as the target side.
   constexpr std::uint64_t u64max = std::numeric_limits<std::uint64_t>::max();
@@ -400,6 +405,31 @@ TEST_CASE("remote_segment_cache: put, get, erase, drop_instance, check") {
   CHECK(cache.get(p2, segment_id{1}).has_value());
   cache.drop_instance(p1);  // idempotent
   CHECK(cache.size() == 1);
+
+  // A peer's new segment list replaces all of its entries at once.
+  const auto g1 = cache.generation();
+  cache.replace(p2, {{segment_id{4}, 0xd000, 0x10, access::remote_read, keys({7})},
+                     {segment_id{5}, 0xe000, 0x20, access::remote_write, keys({8})}});
+  CHECK(cache.generation() > g1);
+  CHECK_FALSE(cache.get(p2, segment_id{1}).has_value());
+  REQUIRE(cache.segments(p2).size() == 2);
+  CHECK(cache.get(p2, segment_id{5})->keys == keys({8}));
+  cache.replace(p2, {});
+  CHECK(cache.size() == 0);
+}
+
+TEST_CASE("segment_registry records where the memory lives") {
+  kvlink::segment_registry reg;
+  std::error_code ec;
+  const auto a = reg.add(reinterpret_cast<void*>(0x10000), 0x1000, access::none, ec);
+  REQUIRE_FALSE(ec);
+  CHECK(reg.get(a)->memory == kvlink::memory_desc{});
+  CHECK(reg.get(a)->memory.kind == kvlink::memory_kind::host);
+  CHECK(kvlink::to_string(kvlink::memory_kind::host) == "host");
+  const kvlink::memory_kinds host_only{kvlink::memory_kind::host};
+  CHECK(host_only.contains(kvlink::memory_kind::host));
+  CHECK(kvlink::memory_kinds{}.empty());
+  CHECK_FALSE(kvlink::memory_kinds{}.contains(kvlink::memory_kind::host));
 }
 
 TEST_CASE("remote_segment_cache is safe to use from several threads") {

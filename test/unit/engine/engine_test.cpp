@@ -2,9 +2,12 @@
 // across sizes and batch shapes, every completion token, every error the
 // engine promises, cancellation and deadlines (and that no byte of the
 // caller's buffer changes after the handler ran), hostile clients.
+#include <kvlink/core/crc32c.hpp>
 #include <kvlink/engine.hpp>
 
+#include <cstdio>
 #include <cstring>
+#include <fstream>
 #include <random>
 #include <thread>
 
@@ -12,17 +15,22 @@
 #include <asio/bind_cancellation_slot.hpp>
 #include <asio/co_spawn.hpp>
 #include <asio/detached.hpp>
+#include <asio/executor_work_guard.hpp>
 #include <asio/experimental/awaitable_operators.hpp>
 #include <asio/io_context.hpp>
+#include <asio/use_awaitable.hpp>
 #include <asio/use_future.hpp>
 #include <doctest/doctest.h>
+#include <sys/mman.h>
 #include <sys/socket.h>
+#include <unistd.h>
 
 namespace {
 
 using namespace std::chrono_literals;
 using kvlink::opcode;
 using kvlink_test::run_until;
+using json = nlohmann::json;
 
 void fill(std::span<std::byte> s, std::uint64_t seed) {
   std::mt19937_64 g{seed};
@@ -440,9 +448,10 @@ struct silent_peer {
         kvlink::control::peer_descriptor d;
         d.protocol = protocol;
         d.instance = kvlink::instance_id{1, 2};
-        d.tcp_address = "127.0.0.1:1";
-        d.segments.push_back(
-            {kvlink::segment_id{1}, 0, 1u << 30, kvlink::access::remote_read_write, {}});
+        d.address = "127.0.0.1:1";
+        d.transports = {{"tcp", {{"lanes", 2}}}};
+        d.segments.push_back({kvlink::segment_id{1}, 0, 1u << 30, kvlink::access::remote_read_write,
+                              nlohmann::json::object()});
         auto welcome = kvlink::control::make_welcome(d);
         welcome["protocol"] = protocol;
         asio::write(s, asio::buffer(kvlink::control::encode_message(welcome)), ec);
@@ -621,7 +630,7 @@ asio::ip::tcp::socket raw_lane(asio::io_context& cio, const std::string& addr,
 TEST_CASE("hostile clients: garbage, truncated frames, huge lengths, out-of-bounds offsets") {
   asio::io_context io;
   auto cfg = test_config();
-  cfg.max_frame_payload = 1 << 20;
+  cfg.tcp.max_frame_payload = 1 << 20;
   cfg.slice_size = 256 << 10;
   kvlink::tcp_engine target{io.get_executor(), cfg};
   // The segment sits between two canaries inside one allocation.
@@ -899,4 +908,399 @@ TEST_CASE("handshakes are served concurrently: a client that never speaks does n
   }
   REQUIRE(run_until(
       io, [&] { return connected == 4; }, 20s));
+}
+
+TEST_CASE("requests are validated before anything is sent: opcode, address, overflow") {
+  rig r;
+  fill(r.local_mem, 71);
+  const auto remote_before = r.remote_mem;
+  // An opcode that is neither read nor write (easy to produce from a binding).
+  auto bad_op = r.req(opcode::write, 0, 0, 4096);
+  bad_op.op = static_cast<opcode>(7);
+  auto out = r.run({bad_op});
+  CHECK(out.ec == kvlink::errc::invalid_argument);
+  CHECK(out.result.bytes == 0);
+  // A local address whose range wraps around the address space.
+  auto wrap = r.req(opcode::read, 0, 0, 16);
+  wrap.local = reinterpret_cast<void*>(~std::uintptr_t{0} - 7);
+  out = r.run({wrap});
+  CHECK(out.ec == kvlink::errc::invalid_argument);
+  // A null local address.
+  auto null_local = r.req(opcode::read, 0, 0, 16);
+  null_local.local = nullptr;
+  out = r.run({null_local});
+  CHECK(out.ec == kvlink::errc::invalid_argument);
+  // One bad request in a batch: nothing of the batch reaches the peer...
+  out = r.run({r.req(opcode::write, 0, 0, 4096), bad_op});
+  CHECK(out.ec == kvlink::errc::invalid_argument);
+  CHECK(r.remote_mem == remote_before);
+  // ... and the peer's lanes were never fed anything they could not parse:
+  // the next valid transfer works on the same connections.
+  auto ok = r.run({r.req(opcode::write, 0, 0, 65536)});
+  REQUIRE_MESSAGE(!ok.ec, ok.ec.message());
+  CHECK(r.peer.connected());
+  CHECK(std::memcmp(r.remote_mem.data(), r.local_mem.data(), 65536) == 0);
+}
+
+TEST_CASE("destroying engines while 4 threads run their io_context, transfers in flight") {
+  // Run under ThreadSanitizer in CI: the destructor used to close lanes and
+  // channels from the destroying thread while io threads ran their handlers.
+  for (int round = 0; round < 10; ++round) {
+    CAPTURE(round);
+    asio::io_context io;
+    auto work = asio::make_work_guard(io);
+    std::vector<std::thread> threads;
+    for (int i = 0; i < 4; ++i) threads.emplace_back([&io] { io.run(); });
+    std::vector<std::byte> remote(8u << 20), local(8u << 20);
+    std::atomic<int> handlers{0};
+    {
+      auto target = std::make_unique<kvlink::tcp_engine>(io.get_executor(), test_config());
+      auto initiator = std::make_unique<kvlink::tcp_engine>(io.get_executor(), test_config());
+      target->register_segment(remote.data(), remote.size());
+      initiator->register_segment(local.data(), local.size());
+      auto fut = initiator->async_connect(target->local_address(), asio::use_future);
+      kvlink::peer p = fut.get();
+      for (int t = 0; t < 8; ++t) {
+        std::vector<kvlink::transfer_request> reqs{
+            {t % 2 ? opcode::read : opcode::write, local.data(), p.segment(0), 0, local.size()}};
+        initiator->async_submit_transfer(
+            reqs, [&handlers](std::error_code, kvlink::transfer_result) { ++handlers; });
+      }
+      std::this_thread::sleep_for(std::chrono::milliseconds(round % 3));
+      if (round % 2) {
+        initiator.reset();  // the initiator first, then its peer
+        target.reset();
+      } else {
+        target.reset();
+        initiator.reset();
+      }
+      // Registered memory may be freed now: nothing of the engines touches it.
+    }
+    work.reset();
+    for (auto& t : threads) t.join();
+    CHECK(handlers.load() == 8);  // every transfer completed, once
+  }
+}
+
+TEST_CASE("a local buffer that is not accessible fails its transfer, not the peer") {
+  // Registered, then protected (as a freed or device buffer looks to the
+  // kernel): the kernel answers EFAULT while sending or receiving it.
+  constexpr std::size_t half = 8u << 20;
+  void* map = ::mmap(nullptr, 2 * half, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+  REQUIRE(map != MAP_FAILED);
+  auto* good = static_cast<std::byte*>(map);
+  std::byte* bad = good + half;
+  rig r{half};
+  r.initiator.register_segment(good, 2 * half);
+  fill(std::span(good, half), 81);
+  REQUIRE(::mprotect(bad, half, PROT_NONE) == 0);
+  for (const auto op : {opcode::write, opcode::read}) {
+    CAPTURE(kvlink::to_string(op));
+    // The good transfer and the bad one at once, on the same lanes.
+    std::optional<outcome> ok_out, bad_out;
+    r.initiator.async_submit_transfer(
+        std::vector<kvlink::transfer_request>{{opcode::write, good, r.peer.segment(0), 0, half}},
+        [&](std::error_code ec, kvlink::transfer_result res) {
+          ok_out = outcome{ec, res};
+        });
+    r.initiator.async_submit_transfer(
+        std::vector<kvlink::transfer_request>{{op, bad, r.peer.segment(0), 0, 1u << 20}},
+        [&](std::error_code ec, kvlink::transfer_result res) {
+          bad_out = outcome{ec, res};
+        });
+    REQUIRE(run_until(r.io, [&] { return ok_out && bad_out; }));
+    CHECK(bad_out->ec == kvlink::errc::local_memory_fault);
+    REQUIRE_MESSAGE(!ok_out->ec, ok_out->ec.message());
+    CHECK(r.peer.connected());
+    // The peer stays usable: the next transfer works and its bytes arrive.
+    fill(std::span(good, half), 82 + static_cast<int>(op));
+    auto next = r.run({{opcode::write, good, r.peer.segment(0), 0, half}});
+    REQUIRE_MESSAGE(!next.ec, next.ec.message());
+    CHECK(std::memcmp(r.remote_mem.data(), good, half) == 0);
+    CHECK(r.peer.connected());
+  }
+  ::munmap(map, 2 * half);
+}
+
+TEST_CASE("a wildcard listen address is never advertised; config.advertise is") {
+  asio::io_context io;
+  auto cfg = test_config();
+  cfg.listen = "0.0.0.0:0";
+  kvlink::tcp_engine wild{io.get_executor(), cfg};
+  CHECK(wild.listen_address().rfind("0.0.0.0:", 0) == 0);
+  CHECK(wild.local_address().rfind("0.0.0.0:", 0) != 0);
+  const auto port = wild.listen_address().substr(wild.listen_address().rfind(':'));
+  CHECK(wild.local_address().substr(wild.local_address().rfind(':')) == port);
+
+  cfg.advertise = "decode-3.example:0";
+  kvlink::tcp_engine told{io.get_executor(), cfg};
+  CHECK(told.local_address() ==
+        "decode-3.example" + told.listen_address().substr(told.listen_address().rfind(':')));
+
+  // A notification from an engine listening on 0.0.0.0 names an address the
+  // receiver can connect back to.
+  kvlink::tcp_engine target{io.get_executor(), test_config()};
+  std::vector<std::byte> mem(4096);
+  target.register_segment(mem.data(), mem.size());
+  wild.register_segment(mem.data(), mem.size());
+  std::optional<kvlink::peer> p;
+  wild.async_connect(target.local_address(), [&](std::error_code ec, kvlink::peer x) {
+    REQUIRE_FALSE(ec);
+    p = x;
+  });
+  REQUIRE(run_until(io, [&] { return p.has_value(); }));
+  std::optional<kvlink::notification> got;
+  target.async_receive_notification([&](std::error_code ec, kvlink::notification n) {
+    REQUIRE_FALSE(ec);
+    got = std::move(n);
+  });
+  wild.async_send_notification(*p, kvlink::notification{"hi", ""}, [](std::error_code) {});
+  REQUIRE(run_until(io, [&] { return got.has_value(); }));
+  CHECK(got->from_address.rfind("0.0.0.0:", 0) != 0);
+  std::optional<std::error_code> back;
+  target.async_connect(got->from_address, [&](std::error_code ec, kvlink::peer) { back = ec; });
+  REQUIRE(run_until(io, [&] { return back.has_value(); }));
+  CHECK_FALSE(*back);
+}
+
+namespace {
+
+kvlink::config secret_config(std::string secret) {
+  auto c = test_config();
+  c.auth_secret = std::move(secret);
+  return c;
+}
+
+// Runs a coroutine on io to completion.
+template <class F>
+void run_co(asio::io_context& io, F f) {
+  bool done = false;
+  asio::co_spawn(io, std::move(f), [&](std::exception_ptr e) {
+    done = true;
+    if (e) std::rethrow_exception(e);
+  });
+  REQUIRE(run_until(io, [&] { return done; }));
+}
+
+}  // namespace
+
+TEST_CASE("authentication between engines: the same secret works, any other is refused") {
+  rig ok{1 << 20, kvlink::access::remote_read_write, secret_config("s3cret"),
+         secret_config("s3cret")};
+  fill(ok.local_mem, 91);
+  auto w = ok.run({ok.req(opcode::write, 0, 0, ok.local_mem.size())});  // over bound lanes
+  REQUIRE_MESSAGE(!w.ec, w.ec.message());
+  CHECK(ok.remote_mem == ok.local_mem);
+
+  asio::io_context io;
+  kvlink::tcp_engine target{io.get_executor(), secret_config("s3cret")};
+  std::vector<std::byte> mem(4096);
+  target.register_segment(mem.data(), mem.size());
+  for (const char* secret : {"other", ""}) {
+    CAPTURE(secret);
+    kvlink::tcp_engine ini{io.get_executor(), secret_config(secret)};
+    std::optional<std::error_code> out;
+    ini.async_connect(target.local_address(), [&](std::error_code ec, kvlink::peer) { out = ec; });
+    REQUIRE(run_until(io, [&] { return out.has_value(); }));
+    CHECK(*out == kvlink::errc::authentication_failed);
+  }
+  // An engine with a secret does not talk to one without.
+  kvlink::tcp_engine open_target{io.get_executor(), test_config()};
+  kvlink::tcp_engine ini{io.get_executor(), secret_config("s3cret")};
+  std::optional<std::error_code> out;
+  ini.async_connect(open_target.local_address(),
+                    [&](std::error_code ec, kvlink::peer) { out = ec; });
+  REQUIRE(run_until(io, [&] { return out.has_value(); }));
+  CHECK(*out == kvlink::errc::authentication_failed);
+}
+
+TEST_CASE("authentication against raw sockets: no secret, a replay, another session's lane") {
+  asio::io_context io;
+  kvlink::tcp_engine target{io.get_executor(), secret_config("s3cret")};
+  constexpr std::size_t canary = 4096, seg_len = 64 * 1024;
+  std::vector<std::byte> arena(canary + seg_len + canary, std::byte{0xA5});
+  const auto seg = target.register_segment(arena.data() + canary, seg_len);
+  std::string_view host;
+  std::uint16_t port = 0;
+  REQUIRE(kvlink::split_host_port(target.local_address(), host, port));
+  const std::array<asio::ip::tcp::endpoint, 1> eps{
+      asio::ip::tcp::endpoint{asio::ip::make_address("127.0.0.1"), port}};
+  namespace control = kvlink::control;
+  const control::peer_guard guard{"s3cret"};
+  auto control_hello = [] {
+    control::hello h;
+    h.instance = kvlink::instance_id{7, 7};
+    return h;
+  };
+  auto lane_hello = [&] {
+    control::hello h;
+    h.instance = kvlink::instance_id{7, 7};
+    h.r = control::role::lane;
+    h.expect = target.instance();
+    return h;
+  };
+
+  run_co(io, [&]() -> asio::awaitable<void> {
+    // 1. No secret: refused with authentication_failed, no descriptor, as a
+    // control connection and as a lane.
+    for (auto h : {control_hello(), lane_hello()}) {
+      asio::ip::tcp::socket s{io};
+      json welcome;
+      const control::client_auth none{};
+      const auto ec = co_await control::dial(s, eps, 2s, {}, h, 1 << 20, none, welcome);
+      CHECK(ec == kvlink::errc::authentication_failed);
+      CHECK_FALSE(welcome.contains("descriptor"));
+    }
+    // 2. A replayed exchange: the recorded response does not answer a new
+    // challenge.
+    {
+      auto h = control_hello();
+      h.client_nonce = control::peer_guard::make_nonce();
+      const json hello_msg = control::to_json(h);
+      asio::ip::tcp::socket s1{io};
+      co_await s1.async_connect(eps[0], asio::use_awaitable);
+      co_await control::write_message(s1, hello_msg);
+      json challenge;
+      REQUIRE_FALSE(co_await control::read_message(s1, 1 << 20, challenge));
+      REQUIRE(challenge["type"] == "challenge");
+      control::nonce ns{};
+      REQUIRE(control::parse_hex(challenge["nonce"].get<std::string>(), ns));
+      const json response{
+          {"type", "response"},
+          {"proof", control::hex_of(guard.client_proof(*h.client_nonce, ns, target.instance()))}};
+      co_await control::write_message(s1, response);
+      json welcome;
+      REQUIRE_FALSE(co_await control::read_message(s1, 1 << 20, welcome));
+      CHECK(welcome["type"] == "welcome");  // the original exchange passes
+      asio::ip::tcp::socket s2{io};
+      co_await s2.async_connect(eps[0], asio::use_awaitable);
+      co_await control::write_message(s2, hello_msg);
+      json challenge2;
+      REQUIRE_FALSE(co_await control::read_message(s2, 1 << 20, challenge2));
+      CHECK(challenge2["nonce"] != challenge["nonce"]);
+      co_await control::write_message(s2, response);  // the replay
+      json answer;
+      REQUIRE_FALSE(co_await control::read_message(s2, 1 << 20, answer));
+      CHECK(control::error_from_message(answer) == kvlink::errc::authentication_failed);
+      CHECK_FALSE(answer.contains("descriptor"));
+    }
+    // 3. A lane naming one session but proven with another's key.
+    control::session_keys a, b;
+    asio::ip::tcp::socket ca{io}, cb{io};
+    json wa, wb;
+    const control::client_auth with_secret{&guard, {}, {}};
+    REQUIRE_FALSE(
+        co_await control::dial(ca, eps, 2s, {}, control_hello(), 1 << 20, with_secret, wa, &a));
+    REQUIRE_FALSE(
+        co_await control::dial(cb, eps, 2s, {}, control_hello(), 1 << 20, with_secret, wb, &b));
+    CHECK(wa.contains("descriptor"));
+    CHECK(a.session != b.session);
+    {
+      asio::ip::tcp::socket s{io};
+      json w;
+      const control::client_auth stolen{&guard, a.session, b.key};
+      const auto ec = co_await control::dial(s, eps, 2s, {}, lane_hello(), 1 << 20, stolen, w);
+      CHECK(ec == kvlink::errc::authentication_failed);
+      // The refused lane carries nothing: a WRITE frame gets no answer.
+      kvlink::tcp::frame_header fh;
+      fh.type = kvlink::tcp::frame_type::write_request;
+      fh.segment = seg.value();
+      fh.length = 16;
+      const auto bytes = kvlink::tcp::encode(fh);
+      std::array<std::byte, 16> payload{};
+      std::error_code wec;
+      asio::write(s, std::array<asio::const_buffer, 2>{asio::buffer(bytes), asio::buffer(payload)},
+                  wec);
+    }
+    {
+      asio::ip::tcp::socket s{io};
+      json w;
+      const control::client_auth own{&guard, a.session, a.key};
+      CHECK_FALSE(co_await control::dial(s, eps, 2s, {}, lane_hello(), 1 << 20, own, w));
+    }
+  });
+  for (int i = 0; i < 20; ++i) io.run_one_for(5ms);
+  for (std::size_t i = 0; i < arena.size(); ++i) REQUIRE(arena[i] == std::byte{0xA5});
+}
+
+TEST_CASE("the secret from a file; a file that cannot be read stops the engine with the reason") {
+  const std::string path = "/tmp/kvlink-test-secret-" + std::to_string(::getpid());
+  {
+    std::ofstream f(path);
+    f << "s3cret\n";  // a trailing newline is not part of the secret
+  }
+  auto file_cfg = test_config();
+  file_cfg.auth_secret_file = path;
+  rig r{1 << 16, kvlink::access::remote_read_write, secret_config("s3cret"), file_cfg};
+  auto out = r.run({r.req(opcode::write, 0, 0, 4096)});
+  CHECK_FALSE(out.ec);
+  std::remove(path.c_str());
+  asio::io_context io;
+  try {
+    kvlink::tcp_engine e{io.get_executor(), file_cfg};
+    FAIL("an engine started with an unreadable secret file");
+  } catch (const std::system_error& e) {
+    CHECK(e.code() == kvlink::errc::invalid_argument);
+    CHECK(std::string(e.what()).find(path) != std::string::npos);
+  }
+}
+
+TEST_CASE("checksums: end to end, both directions; a wrong one is refused, not acknowledged") {
+  auto cfg = test_config();
+  cfg.checksums = true;
+  rig r{4u << 20, kvlink::access::remote_read_write, cfg, cfg};
+  fill(r.local_mem, 101);
+  auto w = r.run({r.req(opcode::write, 0, 0, r.local_mem.size())});
+  REQUIRE_MESSAGE(!w.ec, w.ec.message());
+  CHECK(r.remote_mem == r.local_mem);
+  fill(r.remote_mem, 102);
+  auto rd = r.run({r.req(opcode::read, 0, 0, r.local_mem.size())});
+  REQUIRE_MESSAGE(!rd.ec, rd.ec.message());
+  CHECK(r.remote_mem == r.local_mem);
+  kvlink::transfer_options off;
+  off.checksum = false;  // per transfer
+  auto plain = r.run({r.req(opcode::write, 0, 0, 4096)}, off);
+  CHECK_FALSE(plain.ec);
+
+  // A raw lane: a WRITE whose checksum does not match its payload is
+  // answered checksum_mismatch; the stream stays usable.
+  const auto addr = r.target->local_address();
+  std::atomic<bool> finished{false};
+  std::thread client([&] {
+    asio::io_context cio;
+    auto s = raw_lane(cio, addr, r.target->instance());
+    std::vector<std::byte> payload(4096, std::byte{0x5A});
+    kvlink::tcp::frame_header h;
+    h.type = kvlink::tcp::frame_type::write_request;
+    h.tag = 1;
+    h.segment = r.remote_seg.value();
+    h.length = payload.size();
+    h.flags = kvlink::tcp::frame_flag_checksum;
+    h.checksum = kvlink::crc32c(payload.data(), payload.size()) ^ 1u;  // one bit off
+    const auto bad = kvlink::tcp::encode(h);
+    asio::write(s, std::array<asio::const_buffer, 2>{asio::buffer(bad), asio::buffer(payload)});
+    kvlink::tcp::frame_bytes b{};
+    asio::read(s, asio::buffer(b));
+    kvlink::tcp::frame_header ack;
+    REQUIRE_FALSE(kvlink::tcp::decode(b.data(), ack));
+    CHECK(kvlink::tcp::status_to_error(ack.status) == kvlink::errc::checksum_mismatch);
+    h.tag = 2;
+    h.checksum ^= 1u;  // now right
+    const auto good = kvlink::tcp::encode(h);
+    asio::write(s, std::array<asio::const_buffer, 2>{asio::buffer(good), asio::buffer(payload)});
+    asio::read(s, asio::buffer(b));
+    REQUIRE_FALSE(kvlink::tcp::decode(b.data(), ack));
+    CHECK(ack.status == 0);
+    // An unknown flag: the stream cannot be trusted, the target hangs up.
+    h.tag = 3;
+    h.flags = 0x80;
+    const auto odd = kvlink::tcp::encode(h);
+    asio::write(s, asio::buffer(odd));
+    std::error_code ec;
+    asio::read(s, asio::buffer(b), ec);
+    CHECK(ec);
+    finished = true;
+  });
+  REQUIRE(run_until(r.io, [&] { return finished.load(); }));
+  client.join();
 }

@@ -22,6 +22,7 @@
 #include <system_error>
 #include <vector>
 
+#include "../../support/peer_process.hpp"
 #include "../../support/test_support.hpp"
 #include <asio/io_context.hpp>
 #include <doctest/doctest.h>
@@ -42,161 +43,8 @@ using namespace std::chrono_literals;
 using kvlink::opcode;
 using kvlink_test::fill_pattern;
 using kvlink_test::is_pattern;
+using kvlink_test::peer_process;
 using kvlink_test::run_until;
-
-std::system_error sys_error(const char* what) { return {errno, std::generic_category(), what}; }
-
-// A kvlink_test_peer child with pipes to its stdin and from its stdout. The
-// destructor SIGKILLs it if it still runs and always reaps it.
-class peer_process {
- public:
-  explicit peer_process(std::vector<std::string> args) {
-    // Writing to the pipe of a child that died must be an error, not SIGPIPE.
-    std::signal(SIGPIPE, SIG_IGN);
-    int in[2], out[2];
-    if (::pipe2(in, O_CLOEXEC) != 0) throw sys_error("pipe2");
-    if (::pipe2(out, O_CLOEXEC) != 0) {
-      ::close(in[0]);
-      ::close(in[1]);
-      throw sys_error("pipe2");
-    }
-    args.insert(args.begin(), KVLINK_TEST_PEER_PATH);
-    std::vector<char*> argv;
-    for (auto& a : args) argv.push_back(a.data());
-    argv.push_back(nullptr);
-    const pid_t parent = ::getpid();
-    pid_ = ::fork();
-    if (pid_ == 0) {
-      // Child: only async-signal-safe calls until execv.
-      ::prctl(PR_SET_PDEATHSIG, SIGKILL);
-      if (::getppid() != parent) ::_exit(127);  // the test already died
-      ::dup2(in[0], STDIN_FILENO);
-      ::dup2(out[1], STDOUT_FILENO);
-      // No inherited descriptors (other children's pipes, engine sockets).
-      ::close_range(3, ~0U, 0);
-      ::execv(argv[0], argv.data());
-      ::_exit(127);
-    }
-    ::close(in[0]);
-    ::close(out[1]);
-    if (pid_ < 0) {
-      ::close(in[1]);
-      ::close(out[0]);
-      throw sys_error("fork");
-    }
-    to_child_ = in[1];
-    from_child_ = out[0];
-    const auto first = read_line();
-    if (first.rfind("ADDR ", 0) != 0) {
-      kill_now();  // the destructor does not run for a constructor that throws
-      close_fds();
-      throw std::runtime_error("kvlink_test_peer did not announce its address; it said '" + first +
-                               "'");
-    }
-    address_ = first.substr(5);
-  }
-
-  ~peer_process() {
-    close_fds();
-    if (pid_ > 0) {
-      ::kill(pid_, SIGKILL);
-      reap();
-    }
-  }
-
-  peer_process(const peer_process&) = delete;
-  peer_process& operator=(const peer_process&) = delete;
-
-  const std::string& address() const noexcept { return address_; }
-
-  /// Sends one command line and returns the one-line answer ("" on EOF or
-  /// after the generous timeout).
-  std::string command(const std::string& line) {
-    send(line);
-    return read_line();
-  }
-
-  void send(const std::string& line) {
-    const std::string bytes = line + "\n";
-    std::size_t done = 0;
-    while (done < bytes.size()) {
-      const auto n = ::write(to_child_, bytes.data() + done, bytes.size() - done);
-      if (n < 0 && errno == EINTR) continue;
-      if (n <= 0) throw sys_error("write to kvlink_test_peer");
-      done += static_cast<std::size_t>(n);
-    }
-  }
-
-  std::string read_line(std::chrono::seconds limit = 120s) {
-    const auto until = std::chrono::steady_clock::now() + limit;
-    for (;;) {
-      if (const auto nl = buffer_.find('\n'); nl != std::string::npos) {
-        std::string line = buffer_.substr(0, nl);
-        buffer_.erase(0, nl + 1);
-        return line;
-      }
-      const auto left = std::chrono::duration_cast<std::chrono::milliseconds>(
-          until - std::chrono::steady_clock::now());
-      if (left <= 0ms || from_child_ < 0) return {};
-      pollfd p{from_child_, POLLIN, 0};
-      const int r = ::poll(&p, 1, static_cast<int>(left.count()));
-      if (r < 0 && errno == EINTR) continue;
-      if (r <= 0) return {};
-      char chunk[4096];
-      const auto n = ::read(from_child_, chunk, sizeof chunk);
-      if (n < 0 && errno == EINTR) continue;
-      if (n <= 0) return {};
-      buffer_.append(chunk, static_cast<std::size_t>(n));
-    }
-  }
-
-  /// SIGKILL now, and reap.
-  void kill_now() {
-    if (pid_ <= 0) return;
-    ::kill(pid_, SIGKILL);
-    reap();
-  }
-
-  /// Closes its stdin (the signal to exit) and waits; returns its exit
-  /// status, or -1 if it did not exit normally within the limit (then it is
-  /// killed).
-  int finish(std::chrono::seconds limit = 120s) {
-    close_fds();
-    const auto until = std::chrono::steady_clock::now() + limit;
-    while (pid_ > 0 && std::chrono::steady_clock::now() < until) {
-      int status = 0;
-      const pid_t r = ::waitpid(pid_, &status, WNOHANG);
-      if (r == pid_) {
-        pid_ = -1;
-        return WIFEXITED(status) ? WEXITSTATUS(status) : -1;
-      }
-      if (r < 0 && errno != EINTR) break;
-      ::usleep(10000);
-    }
-    kill_now();
-    return -1;
-  }
-
- private:
-  void reap() {
-    int status = 0;
-    while (::waitpid(pid_, &status, 0) < 0 && errno == EINTR) {
-    }
-    pid_ = -1;
-  }
-
-  void close_fds() {
-    if (to_child_ >= 0) ::close(to_child_);
-    if (from_child_ >= 0) ::close(from_child_);
-    to_child_ = from_child_ = -1;
-  }
-
-  pid_t pid_ = -1;
-  int to_child_ = -1;
-  int from_child_ = -1;
-  std::string buffer_;
-  std::string address_;
-};
 
 struct outcome {
   std::error_code ec;
@@ -454,4 +302,113 @@ TEST_CASE(
     "fast") {
   SUBCASE("WRITE") { kill_mid_transfer(opcode::write); }
   SUBCASE("READ") { kill_mid_transfer(opcode::read); }
+}
+
+TEST_CASE(
+    "two processes: one target killed mid-transfer, another unaffected; the restarted "
+    "target is a new instance and nothing stale reaches it") {
+  rig a;  // the target that dies
+  peer_process b_child{{"--size", std::to_string(segment_size), "--seed", "2"}};
+  std::optional<std::pair<std::error_code, kvlink::peer>> cb;
+  a.engine.async_connect(b_child.address(),
+                         [&](std::error_code ec, kvlink::peer p) { cb.emplace(ec, p); });
+  REQUIRE(run_until(a.io, [&] { return cb.has_value(); }));
+  REQUIRE_FALSE(cb->first);
+  const kvlink::peer b = cb->second;
+  fill_pattern(a.local_mem.data(), segment_size, 9, 0);
+  std::optional<outcome> to_a, to_b;
+  a.engine.async_submit_transfer(
+      std::vector<kvlink::transfer_request>{
+          {opcode::write, a.local_mem.data(), a.remote, 0, 64u << 20}},
+      [&](std::error_code ec, kvlink::transfer_result res) {
+        to_a = outcome{ec, res};
+      });
+  a.engine.async_submit_transfer(
+      std::vector<kvlink::transfer_request>{
+          {opcode::write, a.local_mem.data(), b.segment(0), 0, 64u << 20}},
+      [&](std::error_code ec, kvlink::transfer_result res) {
+        to_b = outcome{ec, res};
+      });
+  for (int i = 0; i < 10 && !to_a; ++i) a.io.run_one_for(5ms);
+  const auto t0 = std::chrono::steady_clock::now();
+  const auto old_address = a.child.address();
+  const auto old_instance = a.peer.instance();
+  a.child.kill_now();
+  REQUIRE(run_until(a.io, [&] { return to_a.has_value() && to_b.has_value(); }));
+  if (to_a->ec) {
+    CHECK(to_a->ec == kvlink::errc::peer_closed);
+    MESSAGE("the killed target was reported after "
+            << std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count()
+            << " s");
+  }
+  REQUIRE_MESSAGE(!to_b->ec, to_b->ec.message());  // the other peer did not notice
+  CHECK(b_child.command("CHECK 0 67108864 9") == "OK");
+
+  // The target comes back on the same address: a new instance.
+  peer_process restarted{{"--size", std::to_string(segment_size), "--seed", "3", "--config",
+                          R"({"listen": ")" + old_address + R"("})"}};
+  REQUIRE(restarted.address() == old_address);
+  std::optional<std::pair<std::error_code, kvlink::peer>> cn;
+  a.engine.async_connect(old_address,
+                         [&](std::error_code ec, kvlink::peer p) { cn.emplace(ec, p); });
+  REQUIRE(run_until(a.io, [&] { return cn.has_value(); }));
+  REQUIRE_FALSE(cn->first);
+  CHECK(cn->second.instance() != old_instance);
+  CHECK(cn->second.id() != a.peer.id());
+  // The old handle's segment does not reach the new instance.
+  std::optional<std::error_code> stale;
+  a.engine.async_submit_transfer(
+      std::vector<kvlink::transfer_request>{{opcode::write, a.local_mem.data(), a.remote, 0, 4096}},
+      [&](std::error_code ec, kvlink::transfer_result) { stale = ec; });
+  REQUIRE(run_until(a.io, [&] { return stale.has_value(); }));
+  CHECK(*stale == kvlink::errc::peer_closed);
+  CHECK(restarted.command("CHECK 0 4096 3") == "OK");  // untouched: still its own pattern
+  // The new handle works.
+  std::optional<std::error_code> fresh;
+  a.engine.async_submit_transfer(
+      std::vector<kvlink::transfer_request>{
+          {opcode::write, a.local_mem.data(), cn->second.segment(0), 0, 4096}},
+      [&](std::error_code ec, kvlink::transfer_result) { fresh = ec; });
+  REQUIRE(run_until(a.io, [&] { return fresh.has_value(); }));
+  CHECK_FALSE(*fresh);
+  CHECK(restarted.command("CHECK 0 4096 9") == "OK");
+}
+
+TEST_CASE("two processes: an initiator killed mid-WRITE; the target and its other peers go on") {
+  asio::io_context io;
+  auto cfg = rig::config();
+  kvlink::tcp_engine target{io.get_executor(), cfg};
+  std::vector<std::byte> mem(segment_size);
+  const auto seg = target.register_segment(mem.data(), mem.size());
+  peer_process pusher{{"--size", std::to_string(segment_size)}};
+  REQUIRE(pusher.command("PUSH " + target.local_address() + " 67108864") == "STARTED");
+  // Let its WRITEs flow into our segment, then kill it mid-transfer.
+  for (int i = 0; i < 100; ++i) io.run_one_for(2ms);
+  pusher.kill_now();
+  // Another initiator (in this process) is served as before.
+  kvlink::tcp_engine other{io.get_executor(), cfg};
+  std::vector<std::byte> src(1u << 20);
+  fill_pattern(src.data(), src.size(), 21, 0);
+  other.register_segment(src.data(), src.size());
+  std::optional<std::pair<std::error_code, kvlink::peer>> c;
+  other.async_connect(target.local_address(),
+                      [&](std::error_code ec, kvlink::peer p) { c.emplace(ec, p); });
+  REQUIRE(run_until(io, [&] { return c.has_value(); }));
+  REQUIRE_FALSE(c->first);
+  std::optional<std::error_code> w;
+  other.async_submit_transfer(
+      std::vector<kvlink::transfer_request>{
+          {opcode::write, src.data(), c->second.segment(seg), 0, src.size()}},
+      [&](std::error_code ec, kvlink::transfer_result) { w = ec; });
+  REQUIRE(run_until(io, [&] { return w.has_value(); }));
+  CHECK_FALSE(*w);
+  CHECK(is_pattern(mem.data(), src.size(), 21, 0));
+  // The dead initiator's half-read frames hold the segment no longer:
+  // unregistering it completes at once.
+  std::optional<std::error_code> unreg;
+  const auto t0 = std::chrono::steady_clock::now();
+  target.async_unregister_segment(seg, [&](std::error_code ec) { unreg = ec; });
+  REQUIRE(run_until(io, [&] { return unreg.has_value(); }));
+  CHECK_FALSE(*unreg);
+  CHECK(std::chrono::steady_clock::now() - t0 < cfg.fence_timeout + 1s);
 }

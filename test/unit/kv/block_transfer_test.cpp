@@ -451,12 +451,14 @@ TEST_CASE("every byte of every token and head lands once, in the right place, fo
   const std::vector<std::pair<std::uint32_t, std::uint32_t>> tps{
       {1, 1}, {2, 2}, {4, 4}, {4, 2}, {2, 4}, {1, 4}, {4, 1}, {1, 2}, {2, 1}};
   int ran = 0, rejected = 0;
-  for (auto [src_tp, dst_tp] : tps)
+  for (const auto& tp_pair : tps)
     for (block_order so : {block_order::heads_major, block_order::tokens_major})
       for (block_order d_o : {block_order::heads_major, block_order::tokens_major})
         for (kv_split ss : {kv_split::separate, kv_split::joint})
           for (kv_split ds : {kv_split::separate, kv_split::joint})
             for (opcode op : {opcode::read, opcode::write}) {
+              const auto src_tp = tp_pair.first;  // named: clang 14 captures no bindings
+              const auto dst_tp = tp_pair.second;
               const tp_case c{src_tp, dst_tp, so, d_o, ss, ds, op, kvlink::dtype::f32};
               CAPTURE(src_tp);
               CAPTURE(dst_tp);

@@ -3,8 +3,8 @@
 // (parse_remote_ports, pair_ports) and kvlink::rdma_engine on a machine
 // without RDMA devices (TCP fallback, or a clean errc::no_device). No device
 // is needed.
+#include <kvlink/rdma.hpp>
 #include <kvlink/rdma/path_logic.hpp>
-#include <kvlink/rdma/transport.hpp>
 
 #include <algorithm>
 #include <array>

@@ -1,4 +1,4 @@
-#include <kvlink/core/config.hpp>
+#include <kvlink/engine/config.hpp>
 
 #include <cctype>
 #include <chrono>
@@ -33,24 +33,33 @@ struct fake_env {
 kvlink::config all_changed() {
   kvlink::config c;
   c.listen = "[::1]:17001";
-  c.tcp_lanes = 7;
+  c.transports = "rdma,tcp";
+  c.advertise = "10.0.0.5:17001";
+  c.handshake_timeout = 700ms;
+  c.checksums = true;
+  c.max_notification_bytes = 1 << 20;
+  c.max_control_buffer = 8 << 20;
+  c.max_connections = 100;
+  c.max_connections_per_address = 10;
+  c.auth_secret = "s3cret";  // (auth_secret_file: see below, one of the two at a time)
+  c.tcp.lanes = 7;
   c.slice_size = 2 << 20;
   c.min_chunk = 128 << 10;
   c.alignment = 4096;
-  c.max_inflight_per_lane = 9;
-  c.socket_buffer = 0;
-  c.tcp_nodelay = false;
+  c.tcp.max_inflight_per_lane = 9;
+  c.tcp.socket_buffer = 0;
+  c.tcp.nodelay = false;
   c.transfer_deadline = 0ms;
   c.connect_timeout = 1500ms;
   c.fence_timeout = 10ms;
   c.max_control_message = 3 << 20;
-  c.max_frame_payload = 16 << 20;
+  c.tcp.max_frame_payload = 16 << 20;
   c.max_notification = 100;
   c.allow_tcp_fallback = false;
-  c.rdma_devices = "mlx5_0,mlx5_1";
-  c.rdma_gid_index = 3;
-  c.rdma_qps_per_endpoint = 4;
-  c.rdma_max_wr = 1024;
+  c.rdma.devices = "mlx5_0,mlx5_1";
+  c.rdma.gid_index = 3;
+  c.rdma.qps_per_endpoint = 4;
+  c.rdma.max_wr = 1024;
   return c;
 }
 
@@ -60,7 +69,7 @@ TEST_CASE("config table has one consistent row per config field") {
   const auto table = kvlink::config_table();
   const json j = kvlink::to_json(kvlink::config{});
   CHECK(j.size() == table.size());
-  CHECK(table.size() == 19);  // members of kvlink::config
+  CHECK(table.size() == 29);  // settings of kvlink::config and its sections
 
   std::set<std::string_view> names, envs;
   for (const auto& s : table) {
@@ -75,15 +84,38 @@ TEST_CASE("config table has one consistent row per config field") {
     CHECK(kvlink::find_setting(s.name) == &s);
   }
   CHECK(kvlink::find_setting("nope") == nullptr);
+  // Each component's rows, in order: the engine's, then each transport's.
+  CHECK(kvlink::find_setting("listen")->component == "engine");
+  CHECK(kvlink::find_setting("tcp_lanes")->component == "tcp");
+  CHECK(kvlink::find_setting("max_frame_payload")->component == "tcp");
+  CHECK(kvlink::find_setting("rdma_max_wr")->component == "rdma");
 
   // Every field is reachable through the table: changing each one changes
   // exactly the JSON of its own row.
   const kvlink::config changed = all_changed();
   const json jc = kvlink::to_json(changed);
+  kvlink::config with_file;
+  with_file.auth_secret_file = "/run/secrets/kvlink";
+  const json jf = kvlink::to_json(with_file);
   for (const auto& s : table) {
     CAPTURE(s.name);
-    CHECK(jc.at(std::string{s.name}) != j.at(std::string{s.name}));
+    const auto& changed_json = s.name == "auth_secret_file" ? jf : jc;
+    CHECK(changed_json.at(std::string{s.name}) != j.at(std::string{s.name}));
   }
+}
+
+TEST_CASE("secrets are never printed, and one source of the secret at a time") {
+  kvlink::config c;
+  c.auth_secret = "hunter2";
+  const auto text = kvlink::describe(c);
+  CHECK(text.find("hunter2") == std::string::npos);
+  CHECK(text.find("(set, not shown)") != std::string::npos);
+  CHECK(kvlink::find_setting("auth_secret")->secret);
+  CHECK_FALSE(kvlink::find_setting("auth_secret_file")->secret);
+  c.auth_secret_file = "/run/secrets/kvlink";
+  std::string what;
+  CHECK(kvlink::validate(c, &what) == kvlink::errc::invalid_argument);
+  CHECK(what.find("auth_secret") != std::string::npos);
 }
 
 TEST_CASE("defaults are valid and to_json uses bytes and milliseconds") {
@@ -109,7 +141,7 @@ TEST_CASE("JSON round trip") {
 
 TEST_CASE("JSON accepts units and keeps unspecified settings from base") {
   kvlink::config base;
-  base.tcp_lanes = 5;
+  base.tcp.lanes = 5;
   const json j = json::parse(R"({
     "slice_size": "4MiB", "min_chunk": "64 KiB", "socket_buffer": "1MB",
     "max_frame_payload": "1GB", "transfer_deadline": "2s", "fence_timeout": "250ms",
@@ -118,15 +150,15 @@ TEST_CASE("JSON accepts units and keeps unspecified settings from base") {
   const kvlink::config c = kvlink::config_from_json(j, base);
   CHECK(c.slice_size == 4u << 20);
   CHECK(c.min_chunk == 64u << 10);
-  CHECK(c.socket_buffer == 1'000'000);
-  CHECK(c.max_frame_payload == 1'000'000'000);
+  CHECK(c.tcp.socket_buffer == 1'000'000);
+  CHECK(c.tcp.max_frame_payload == 1'000'000'000);
   CHECK(c.transfer_deadline == 2000ms);
   CHECK(c.fence_timeout == 250ms);
   CHECK(c.connect_timeout == 700ms);
-  CHECK(c.rdma_gid_index == 2);
-  CHECK_FALSE(c.tcp_nodelay);
+  CHECK(c.rdma.gid_index == 2);
+  CHECK_FALSE(c.tcp.nodelay);
   CHECK(c.alignment == 512);
-  CHECK(c.tcp_lanes == 5);  // from base
+  CHECK(c.tcp.lanes == 5);  // from base
   CHECK(c.listen == "127.0.0.1:0");
 }
 
@@ -135,7 +167,7 @@ TEST_CASE("JSON errors name the key and the reason") {
     std::error_code ec;
     std::string what;
     kvlink::config base;
-    base.tcp_lanes = 3;
+    base.tcp.lanes = 3;
     const kvlink::config c = kvlink::config_from_json(json::parse(text), ec, &what, base);
     CHECK(ec == kvlink::errc::invalid_argument);
     CHECK(c == base);  // unchanged on error
@@ -193,30 +225,30 @@ TEST_CASE("environment overrides base through an injected getenv") {
               {"SLICE_SIZE", "7"},
               {"KVLINK_slice_size", "7"}};
   kvlink::config base;
-  base.max_inflight_per_lane = 11;
-  base.rdma_gid_index = 4;
+  base.tcp.max_inflight_per_lane = 11;
+  base.rdma.gid_index = 4;
   std::error_code ec;
   std::string what;
   const kvlink::config c = kvlink::config_from_env(base, ec, &what, env);
   REQUIRE_MESSAGE(!ec, what);
   CHECK(c.slice_size == 2u << 20);
-  CHECK(c.tcp_lanes == 8);
-  CHECK_FALSE(c.tcp_nodelay);
+  CHECK(c.tcp.lanes == 8);
+  CHECK_FALSE(c.tcp.nodelay);
   CHECK(c.transfer_deadline == 1500ms);
-  CHECK(c.rdma_gid_index == -1);
-  CHECK(c.rdma_devices == "mlx5_2");
+  CHECK(c.rdma.gid_index == -1);
+  CHECK(c.rdma.devices == "mlx5_2");
   CHECK(c.listen == "0.0.0.0:17001");
   CHECK(c.max_notification == 1024);
-  CHECK(c.max_inflight_per_lane == 11);  // not in the environment: from base
+  CHECK(c.tcp.max_inflight_per_lane == 11);  // not in the environment: from base
 
   // No variables: base comes back.
   CHECK(kvlink::config_from_env(base, ec, &what, fake_env{}) == base);
   CHECK_FALSE(ec);
 
   // An empty string setting clears it.
-  base.rdma_devices = "mlx5_0";
+  base.rdma.devices = "mlx5_0";
   CHECK(kvlink::config_from_env(base, ec, &what, fake_env{{{"KVLINK_RDMA_DEVICES", ""}}})
-            .rdma_devices.empty());
+            .rdma.devices.empty());
   CHECK_FALSE(ec);
 }
 
@@ -249,113 +281,25 @@ TEST_CASE("boolean and integer text forms") {
   const auto* nodelay = kvlink::find_setting("tcp_nodelay");
   REQUIRE(nodelay != nullptr);
   for (const char* t : {"1", "true", "TRUE", "yes", "On", " on "}) {
-    c.tcp_nodelay = false;
+    c.tcp.nodelay = false;
     CHECK_FALSE(kvlink::set_setting_text(c, *nodelay, t));
-    CHECK(c.tcp_nodelay);
+    CHECK(c.tcp.nodelay);
   }
   for (const char* f : {"0", "false", "No", "OFF"}) {
-    c.tcp_nodelay = true;
+    c.tcp.nodelay = true;
     CHECK_FALSE(kvlink::set_setting_text(c, *nodelay, f));
-    CHECK_FALSE(c.tcp_nodelay);
+    CHECK_FALSE(c.tcp.nodelay);
   }
   const auto* lanes = kvlink::find_setting("tcp_lanes");
   REQUIRE(lanes != nullptr);
   CHECK_FALSE(kvlink::set_setting_text(c, *lanes, "4294967295"));
-  CHECK(c.tcp_lanes == 4294967295u);
+  CHECK(c.tcp.lanes == 4294967295u);
   CHECK(kvlink::set_setting_text(c, *lanes, "4294967296") == kvlink::errc::invalid_argument);
   CHECK(kvlink::set_setting_text(c, *lanes, "+3") == kvlink::errc::invalid_argument);
   CHECK(kvlink::set_setting_text(c, *lanes, "3.0") == kvlink::errc::invalid_argument);
   CHECK(kvlink::set_setting_text(c, *lanes, "99999999999999999999999") ==
         kvlink::errc::invalid_argument);
-  CHECK(c.tcp_lanes == 4294967295u);  // failed sets leave the value alone
-}
-
-TEST_CASE("parse_size") {
-  using kvlink::parse_size;
-  CHECK(parse_size("512") == 512u);
-  CHECK(parse_size("0") == 0u);
-  CHECK(parse_size("512B") == 512u);
-  CHECK(parse_size("512 b") == 512u);
-  CHECK(parse_size("4MiB") == 4194304u);
-  CHECK(parse_size("4 MiB") == 4194304u);
-  CHECK(parse_size(" 4mib ") == 4194304u);
-  CHECK(parse_size("64KiB") == 65536u);
-  CHECK(parse_size("1GiB") == 1073741824u);
-  CHECK(parse_size("2TiB") == 2199023255552u);
-  CHECK(parse_size("1KB") == 1000u);
-  CHECK(parse_size("1MB") == 1000000u);
-  CHECK(parse_size("1GB") == 1000000000u);
-  CHECK(parse_size("3TB") == 3000000000000u);
-  CHECK(parse_size("1.5KiB") == 1536u);
-  CHECK(parse_size("1.25 GB") == 1250000000u);
-  CHECK(parse_size("18446744073709551615") == 18446744073709551615u);
-  CHECK(parse_size("1.000000000000000000KiB") == 1024u);          // 18 fraction digits
-  CHECK(parse_size("1.0000000000000000000KiB") == std::nullopt);  // 19: too many
-  // Rejected: ambiguous or unknown units, signs, junk, fractions of a byte, overflow.
-  for (const char* bad : {"",
-                          " ",
-                          "k",
-                          "1k",
-                          "1K",
-                          "1M",
-                          "1G",
-                          "1 m",
-                          "4XB",
-                          "MiB",
-                          "-1",
-                          "+1",
-                          "1.",
-                          ".5KiB",
-                          "1.5",
-                          "1.3KiB",
-                          "1..2",
-                          "1 2",
-                          "0x10",
-                          "1MiBs",
-                          "18446744073709551616",
-                          "99999999999GiB",
-                          "16777216TiB",
-                          "99999999999999999999999999999999"}) {
-    CAPTURE(bad);
-    CHECK(parse_size(bad) == std::nullopt);
-  }
-}
-
-TEST_CASE("parse_duration") {
-  using kvlink::parse_duration;
-  CHECK(parse_duration("250") == 250ms);
-  CHECK(parse_duration("250ms") == 250ms);
-  CHECK(parse_duration("2s") == 2000ms);
-  CHECK(parse_duration("2 S") == 2000ms);
-  CHECK(parse_duration("1.5s") == 1500ms);
-  CHECK(parse_duration("5min") == 300000ms);
-  CHECK(parse_duration("1h") == 3600000ms);
-  CHECK(parse_duration("0") == 0ms);
-  CHECK(parse_duration("9223372036854775807ms") == std::chrono::milliseconds::max());
-  for (const char* bad : {"", "s", "5m", "5us", "1.0005s", "-1s", "2 days", "9223372036854775808",
-                          "99999999999999999h"}) {
-    CAPTURE(bad);
-    CHECK(parse_duration(bad) == std::nullopt);
-  }
-}
-
-TEST_CASE("format_size") {
-  using kvlink::format_size;
-  CHECK(format_size(0) == "0 B");
-  CHECK(format_size(512) == "512 B");
-  CHECK(format_size(1023) == "1023 B");
-  CHECK(format_size(1024) == "1 KiB");
-  CHECK(format_size(4u << 20) == "4 MiB");
-  CHECK(format_size(1536) == "1.50 KiB");
-  CHECK(format_size(3u << 29) == "1.50 GiB");
-  CHECK(format_size((1u << 20) - 1) == "1.00 MiB");  // not "1024.00 KiB"
-  CHECK(format_size(std::uint64_t{1} << 60) == "1 EiB");
-  CHECK(format_size(18446744073709551615u) == "16.00 EiB");
-  // Exact outputs parse back.
-  for (std::uint64_t v : {std::uint64_t{512}, std::uint64_t{1024}, std::uint64_t{1536},
-                          std::uint64_t{4} << 20, std::uint64_t{3} << 40}) {
-    CHECK(kvlink::parse_size(format_size(v)) == v);
-  }
+  CHECK(c.tcp.lanes == 4294967295u);  // failed sets leave the value alone
 }
 
 TEST_CASE("validate rejects what the engines cannot use") {
@@ -367,18 +311,19 @@ TEST_CASE("validate rejects what the engines cannot use") {
     CAPTURE(what);
     CHECK(what.find(key) != std::string::npos);
   };
-  rejects([](kvlink::config& c) { c.tcp_lanes = 0; }, "tcp_lanes");
+  rejects([](kvlink::config& c) { c.tcp.lanes = 0; }, "tcp_lanes");
   rejects([](kvlink::config& c) { c.slice_size = 0; }, "slice_size");
   rejects([](kvlink::config& c) { c.min_chunk = c.slice_size + 1; }, "min_chunk");
   rejects([](kvlink::config& c) { c.alignment = 0; }, "alignment");
   rejects([](kvlink::config& c) { c.alignment = 3; }, "alignment");
   rejects([](kvlink::config& c) { c.alignment = 2u << 20; },
           "alignment");  // does not divide slice_size
-  rejects([](kvlink::config& c) { c.max_inflight_per_lane = 0; }, "max_inflight_per_lane");
-  rejects([](kvlink::config& c) { c.max_frame_payload = c.slice_size - 1; }, "max_frame_payload");
-  rejects([](kvlink::config& c) { c.max_frame_payload = c.slice_size + c.min_chunk - 2; },
+  rejects([](kvlink::config& c) { c.tcp.max_inflight_per_lane = 0; }, "max_inflight_per_lane");
+  rejects([](kvlink::config& c) { c.tcp.max_frame_payload = c.slice_size - 1; },
           "max_frame_payload");
-  rejects([](kvlink::config& c) { c.socket_buffer = std::uint64_t{1} << 31; }, "socket_buffer");
+  rejects([](kvlink::config& c) { c.tcp.max_frame_payload = c.slice_size + c.min_chunk - 2; },
+          "max_frame_payload");
+  rejects([](kvlink::config& c) { c.tcp.socket_buffer = std::uint64_t{1} << 31; }, "socket_buffer");
   rejects([](kvlink::config& c) { c.transfer_deadline = -1ms; }, "transfer_deadline");
   rejects([](kvlink::config& c) { c.connect_timeout = 0ms; }, "connect_timeout");
   rejects([](kvlink::config& c) { c.fence_timeout = -1ms; }, "fence_timeout");
@@ -388,12 +333,20 @@ TEST_CASE("validate rejects what the engines cannot use") {
         c.max_notification = static_cast<std::uint32_t>(c.max_control_message + 1);
       },
       "max_notification");
-  rejects([](kvlink::config& c) { c.rdma_devices = "mlx5_0,,mlx5_1"; }, "rdma_devices");
-  rejects([](kvlink::config& c) { c.rdma_devices = "mlx5_0, mlx5_1"; }, "rdma_devices");
-  rejects([](kvlink::config& c) { c.rdma_devices = ","; }, "rdma_devices");
-  rejects([](kvlink::config& c) { c.rdma_gid_index = -2; }, "rdma_gid_index");
-  rejects([](kvlink::config& c) { c.rdma_qps_per_endpoint = 0; }, "rdma_qps_per_endpoint");
-  rejects([](kvlink::config& c) { c.rdma_max_wr = 0; }, "rdma_max_wr");
+  rejects([](kvlink::config& c) { c.rdma.devices = "mlx5_0,,mlx5_1"; }, "rdma_devices");
+  rejects([](kvlink::config& c) { c.rdma.devices = "mlx5_0, mlx5_1"; }, "rdma_devices");
+  rejects([](kvlink::config& c) { c.rdma.devices = ","; }, "rdma_devices");
+  rejects([](kvlink::config& c) { c.rdma.gid_index = -2; }, "rdma_gid_index");
+  for (const char* bad : {"10.0.0.5", ":80", "[::1"}) {
+    CAPTURE(bad);
+    rejects([bad](kvlink::config& c) { c.advertise = bad; }, "advertise");
+  }
+  for (const char* bad : {",", "rdma,,tcp", "tcp,tcp", "rdma, tcp", "tcp,"}) {
+    CAPTURE(bad);
+    rejects([bad](kvlink::config& c) { c.transports = bad; }, "transports");
+  }
+  rejects([](kvlink::config& c) { c.rdma.qps_per_endpoint = 0; }, "rdma_qps_per_endpoint");
+  rejects([](kvlink::config& c) { c.rdma.max_wr = 0; }, "rdma_max_wr");
   for (const char* bad : {"", "localhost", ":80", "host:", "host:65536", "host:8o", "::1:80",
                           "[::1]", "[]:80", "[::1:80", "host :80"}) {
     CAPTURE(bad);
@@ -409,15 +362,15 @@ TEST_CASE("validate rejects what the engines cannot use") {
   };
   accepts([](kvlink::config& c) {
     c.min_chunk = c.slice_size;
-    c.max_frame_payload = 2 * c.slice_size - 1;
+    c.tcp.max_frame_payload = 2 * c.slice_size - 1;
   });
   accepts([](kvlink::config& c) {
     c.min_chunk = 0;
-    c.max_frame_payload = c.slice_size;
+    c.tcp.max_frame_payload = c.slice_size;
   });
   accepts([](kvlink::config& c) { c.alignment = c.slice_size; });
   accepts([](kvlink::config& c) {
-    c.socket_buffer = 2147483647;
+    c.tcp.socket_buffer = 2147483647;
     c.transfer_deadline = 0ms;
     c.fence_timeout = 0ms;
   });
@@ -425,8 +378,8 @@ TEST_CASE("validate rejects what the engines cannot use") {
     c.max_notification = static_cast<std::uint32_t>(c.max_control_message);
   });
   accepts([](kvlink::config& c) {
-    c.rdma_devices = "mlx5_0";
-    c.rdma_gid_index = 0;
+    c.rdma.devices = "mlx5_0";
+    c.rdma.gid_index = 0;
   });
   for (const char* good : {"0.0.0.0:0", "localhost:65535", "[::1]:17001", "[fe80::1%eth0]:1"}) {
     CAPTURE(good);

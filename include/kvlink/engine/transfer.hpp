@@ -1,0 +1,394 @@
+// The transfer state machine: start (validate every request, plan slices,
+// hand them to the peers' data paths), stop (first error wins: drop what was
+// not sent, wait for what is in flight), fence (what does not drain within
+// fence_timeout has its carrier closed) and complete (the handler runs once,
+// after the last slice is resolved; a notification, if any, goes first).
+//
+// Transports report each slice through slice_done(), from any strand: the
+// report is carried to the engine's strand, where every transfer's state
+// lives. (Today every path runs on that strand, so it is a direct call.)
+#pragma once
+
+#include <kvlink/control/message.hpp>
+#include <kvlink/core/error.hpp>
+#include <kvlink/core/segment_registry.hpp>
+#include <kvlink/core/types.hpp>
+#include <kvlink/detail/erased_handler.hpp>
+#include <kvlink/engine/notify.hpp>
+#include <kvlink/engine/peer.hpp>
+#include <kvlink/planner/slice_planner.hpp>
+#include <kvlink/transport/transport.hpp>
+
+#include <algorithm>
+#include <atomic>
+#include <chrono>
+#include <cstdint>
+#include <functional>
+#include <limits>
+#include <memory>
+#include <optional>
+#include <system_error>
+#include <unordered_map>
+#include <vector>
+
+#include <asio/any_io_executor.hpp>
+#include <asio/cancellation_signal.hpp>
+#include <asio/dispatch.hpp>
+#include <asio/steady_timer.hpp>
+#include <asio/strand.hpp>
+
+namespace kvlink {
+
+/// Per-call options of async_submit_transfer.
+struct transfer_options {
+  /// Deadline of this transfer, counted from submission. nullopt: the
+  /// engine's config.transfer_deadline; zero: no deadline.
+  std::optional<std::chrono::milliseconds> deadline{};
+  /// Sent to the peer(s) of the transfer once it has completed successfully,
+  /// so the peer receives it only after the data is visible in its memory
+  /// (a WRITE's bytes are placed and acknowledged before it is sent). The
+  /// transfer's handler runs once the notification is handed to the kernel;
+  /// if it cannot be sent the transfer completes with that error (the data
+  /// did arrive). Not sent when the transfer fails.
+  std::optional<notification> notify{};
+  /// End-to-end CRC32C of every slice's payload (TCP; a mismatch fails the
+  /// transfer with errc::checksum_mismatch and is never acknowledged as
+  /// written). nullopt: the engine's config.checksums.
+  std::optional<bool> checksum{};
+};
+
+namespace detail {
+
+/// One transfer's state. Strand-only.
+struct transfer_op {
+  std::uint64_t id = 0;
+  erased_handler<void(std::error_code, transfer_result)> handler;
+  asio::cancellation_slot slot;
+  std::size_t pending = 0;  // slices handed to paths and not yet resolved
+  std::error_code error;
+  transfer_result result;
+  bool stopping = false;
+  std::chrono::steady_clock::time_point start;
+  std::optional<asio::steady_timer> deadline;
+  std::optional<asio::steady_timer> fence;
+  std::vector<std::shared_ptr<data_path>> paths;   // paths that carry its slices
+  std::vector<std::shared_ptr<peer_state>> peers;  // peers it moves data with
+  std::vector<segment_id> local_segments;          // pinned until it completes
+  std::optional<notification> notify{};
+};
+
+class transfers : public std::enable_shared_from_this<transfers> {
+ public:
+  using strand_type = asio::strand<asio::any_io_executor>;
+  using handler = erased_handler<void(std::error_code, transfer_result)>;
+  using peer_lookup = std::function<std::shared_ptr<peer_state>(peer_id)>;
+
+  struct settings {
+    plan_policy policy;
+    std::chrono::milliseconds default_deadline{0};
+    std::chrono::milliseconds fence_timeout{0};
+    std::uint64_t max_notification = 0;
+    bool checksums = false;
+  };
+
+  /// `pins` pins the local segments a transfer uses until it completes, so
+  /// that unregistering one waits for it (transport_host::pin / unpin).
+  transfers(strand_type strand, settings s, const segment_registry& registry,
+            std::shared_ptr<remote_segment_cache> cache, peer_lookup find_peer,
+            transport_host& pins)
+      : strand_(std::move(strand)),
+        settings_(s),
+        registry_(registry),
+        cache_(std::move(cache)),
+        find_peer_(std::move(find_peer)),
+        pins_(pins) {}
+
+  std::uint64_t next_id() noexcept { return next_id_.fetch_add(1, std::memory_order_relaxed); }
+
+  /// Strand-only: starts a transfer (the handler runs later, never in here).
+  void start(std::uint64_t id, std::vector<transfer_request> reqs, transfer_options opts, handler h,
+             asio::cancellation_slot slot) {
+    auto owned = std::make_unique<transfer_op>();
+    auto* op = owned.get();
+    op->id = id;
+    op->handler = std::move(h);
+    op->slot = slot;
+    op->start = std::chrono::steady_clock::now();
+    op->result.requests = static_cast<std::uint32_t>(reqs.size());
+    op->notify = std::move(opts.notify);
+    ops_.emplace(id, std::move(owned));
+    if (op->notify &&
+        op->notify->id.size() + op->notify->payload.size() > settings_.max_notification) {
+      op->error = errc::message_too_large;
+      complete(op);
+      return;
+    }
+
+    // Validate everything before anything moves: a bad request fails the
+    // whole batch with nothing transferred.
+    std::vector<group> groups;
+    for (const auto& r : reqs) {
+      if (auto ec = validate(r, groups)) {
+        op->error = ec;
+        complete(op);
+        return;
+      }
+    }
+    // The local memory it uses stays registered until it completes:
+    // unregistering a segment stops the transfers that use it and waits.
+    for (const auto& g : groups) {
+      for (const auto& item : g.items) {
+        if (std::find(op->local_segments.begin(), op->local_segments.end(), item.local_segment) ==
+            op->local_segments.end()) {
+          op->local_segments.push_back(item.local_segment);
+          pins_.pin(item.local_segment);
+        }
+      }
+    }
+    const bool checksum = opts.checksum.value_or(settings_.checksums);
+    std::vector<slice> slices;
+    for (auto& g : groups) {
+      plan_stats stats;
+      if (auto ec =
+              plan_slices(g.items, g.p->path->lane_weights(), settings_.policy, slices, &stats)) {
+        // Earlier groups may already be queued on their paths: stop() fences them.
+        op->error = ec;
+        if (op->pending == 0) {
+          complete(op);
+        } else {
+          stop(op, ec);
+        }
+        return;
+      }
+      op->result.slices += stats.slices;
+      op->peers.push_back(g.p);
+      op->paths.push_back(g.p->path);
+      std::vector<bool> used(g.p->path->lane_weights().size(), false);
+      for (const auto& s : slices) {
+        g.p->path->enqueue(s.lane, slice_ref{op, reinterpret_cast<std::byte*>(s.local_addr),
+                                             s.length, s.remote_segment.value(), s.remote_offset,
+                                             s.op, 0, s.local_segment.value(), checksum});
+        ++op->pending;
+        if (!used[s.lane]) {
+          used[s.lane] = true;
+          ++op->result.lanes;
+        }
+      }
+    }
+    if (op->pending == 0) {  // an empty batch
+      complete(op);
+      return;
+    }
+    const auto deadline = opts.deadline.value_or(settings_.default_deadline);
+    if (deadline.count() > 0) {
+      op->deadline.emplace(strand_);
+      op->deadline->expires_after(deadline);
+      op->deadline->async_wait([w = weak_from_this(), id](std::error_code ec) {
+        if (ec) return;
+        if (auto self = w.lock()) {
+          if (auto* o = self->find(id)) self->stop(o, errc::deadline_exceeded);
+        }
+      });
+    }
+    // Kick the paths last: sends complete asynchronously, never in here.
+    auto paths = op->paths;
+    for (auto& p : paths) p->pump();
+  }
+
+  /// Strand-only: the caller's cancellation.
+  void cancel(std::uint64_t id) {
+    if (auto* op = find(id)) stop(op, errc::cancelled);
+  }
+
+  /// Strand-only: a local segment is being unregistered: the transfers that
+  /// use it stop with `ec` (their pins on it go when they complete).
+  void stop_using(segment_id local, std::error_code ec) {
+    std::vector<std::uint64_t> ids;
+    for (const auto& [id, op] : ops_) {
+      if (std::find(op->local_segments.begin(), op->local_segments.end(), local) !=
+          op->local_segments.end()) {
+        ids.push_back(id);
+      }
+    }
+    for (auto id : ids) {
+      if (auto* op = find(id)) stop(op, ec);
+    }
+  }
+
+  /// From any strand: a slice finished.
+  void slice_done(transfer_op* op, std::uint64_t bytes, std::error_code ec) {
+    if (strand_.running_in_this_thread()) {
+      on_slice_done(op, bytes, ec);
+      return;
+    }
+    asio::dispatch(strand_, [self = shared_from_this(), op, bytes, ec] {
+      self->on_slice_done(op, bytes, ec);
+    });
+  }
+
+  static bool stopping(const transfer_op* op) noexcept { return op->stopping; }
+
+ private:
+  struct group {
+    std::shared_ptr<peer_state> p;
+    std::vector<plan_request> items;
+  };
+
+  transfer_op* find(std::uint64_t id) {
+    auto it = ops_.find(id);
+    return it == ops_.end() ? nullptr : it->second.get();
+  }
+
+  // Everything a request says is checked here, before anything is sent: the
+  // peer never sees a frame the initiator could have refused.
+  std::error_code validate(const transfer_request& r, std::vector<group>& groups) {
+    if (r.op != opcode::read && r.op != opcode::write) return errc::invalid_argument;
+    if (r.length == 0 || r.local == nullptr) return errc::invalid_argument;
+    if (r.length >
+        std::numeric_limits<std::uintptr_t>::max() - reinterpret_cast<std::uintptr_t>(r.local)) {
+      return errc::invalid_argument;  // local + length wraps around
+    }
+    segment_info local;
+    if (auto ec = registry_.locate(r.local, r.length, local)) return ec;
+    auto p = find_peer_(r.remote.peer);
+    if (!p) return errc::unknown_peer;
+    if (!p->alive.load(std::memory_order_relaxed) || !p->path) {
+      return p->failure ? p->failure : errc::peer_closed;
+    }
+    // The cached descriptor catches mistakes early; an id the cache does not
+    // know yet (registered a moment ago) is left to the target, which checks
+    // every access anyway.
+    if (cache_->get(p->instance, r.remote.segment)) {
+      if (auto ec = cache_->check(p->instance, r.remote.segment, r.remote_offset, r.length,
+                                  required_access(r.op))) {
+        return ec;
+      }
+    } else if (!r.remote.segment.valid()) {
+      return errc::not_registered;
+    }
+    auto g = std::find_if(groups.begin(), groups.end(), [&](const group& x) { return x.p == p; });
+    if (g == groups.end()) {
+      groups.push_back({p, {}});
+      g = std::prev(groups.end());
+    }
+    g->items.push_back(plan_request{r.op, reinterpret_cast<std::uintptr_t>(r.local), local.id,
+                                    r.remote.segment, r.remote_offset, r.length});
+    return {};
+  }
+
+  void on_slice_done(transfer_op* op, std::uint64_t bytes, std::error_code ec) {
+    op->result.bytes += bytes;
+    --op->pending;
+    if (ec && !op->stopping) {
+      stop(op, ec);  // may complete the op
+      return;
+    }
+    if (op->pending == 0) complete(op);
+  }
+
+  /// First error wins: drop what was not sent, then wait for what is in
+  /// flight (or fence it after fence_timeout).
+  void stop(transfer_op* op, std::error_code ec) {
+    if (op->stopping) return;
+    op->stopping = true;
+    if (!op->error) op->error = ec;
+    if (op->deadline) op->deadline->cancel();
+    std::size_t dropped = 0;
+    for (auto& p : op->paths) dropped += p->drop_queued(op);
+    op->pending -= dropped;
+    if (op->pending == 0) {
+      complete(op);
+      return;
+    }
+    op->fence.emplace(strand_);
+    op->fence->expires_after(settings_.fence_timeout);
+    op->fence->async_wait([w = weak_from_this(), id = op->id](std::error_code fec) {
+      if (fec) return;
+      if (auto self = w.lock()) self->fence(id);
+    });
+  }
+
+  /// In-flight slices did not drain in time: their paths stop what carries
+  /// them, which resolves them.
+  void fence(std::uint64_t id) {
+    auto* op = find(id);
+    if (!op) return;
+    auto paths = op->paths;
+    for (auto& p : paths) {
+      if (find(id) == nullptr) return;
+      // Other transfers on what is closed fail too: their peer stopped answering.
+      if (p->has_in_flight(op)) p->fence(op, errc::peer_closed);
+    }
+  }
+
+  void complete(transfer_op* op) {
+    auto it = ops_.find(op->id);
+    if (it == ops_.end()) return;
+    auto owned = std::move(it->second);
+    ops_.erase(it);
+    if (owned->slot.is_connected()) owned->slot.clear();
+    owned->result.duration = std::chrono::duration_cast<std::chrono::nanoseconds>(
+        std::chrono::steady_clock::now() - owned->start);
+    auto h = std::move(owned->handler);
+    const auto ec = owned->error;
+    const auto result = owned->result;
+    auto notify = std::move(owned->notify);
+    auto peers = std::move(owned->peers);
+    const auto local_segments = std::move(owned->local_segments);
+    std::optional<asio::steady_timer::time_point> until;
+    if (owned->deadline) until = owned->deadline->expiry();
+    owned.reset();  // state freed before the upcall
+    // Nothing of it touches local memory any more.
+    for (const auto seg : local_segments) pins_.unpin(seg);
+    if (ec || !notify || peers.empty()) {
+      h.complete(ec, result);
+      return;
+    }
+    // The data is in place: now the notification, then the handler. A peer
+    // that stopped reading its control connection must not hold the handler
+    // past the transfer's deadline (the notification may still go out later;
+    // it touches no memory of the caller's).
+    struct fan_in {
+      handler h;
+      transfer_result result;
+      std::size_t remaining;
+      std::error_code first;
+      std::optional<asio::steady_timer> timer;
+      void finish(std::error_code ec) {
+        if (timer) timer->cancel();
+        h.complete(ec, result);  // once: an empty handler does nothing
+      }
+    };
+    auto state = std::make_shared<fan_in>(fan_in{std::move(h), result, peers.size(), {}, {}});
+    if (until) {
+      state->timer.emplace(strand_, *until);
+      state->timer->async_wait([state](std::error_code tec) {
+        if (!tec && state->remaining > 0) state->finish(errc::deadline_exceeded);
+      });
+    }
+    const auto msg = control::make_notify(notify->id, notify->payload);
+    for (auto& p : peers) {
+      auto done = [state](std::error_code sec) {
+        if (sec && !state->first) state->first = sec;
+        if (--state->remaining == 0) state->finish(state->first);
+      };
+      if (!p->alive.load() || !p->control) {
+        done(p->failure ? p->failure : errc::peer_closed);
+      } else {
+        p->control->send(msg, done);
+      }
+    }
+  }
+
+  strand_type strand_;
+  settings settings_;
+  const segment_registry& registry_;
+  std::shared_ptr<remote_segment_cache> cache_;
+  peer_lookup find_peer_;
+  transport_host& pins_;
+  std::atomic<std::uint64_t> next_id_{1};
+  std::unordered_map<std::uint64_t, std::unique_ptr<transfer_op>> ops_;  // strand-only
+};
+
+}  // namespace detail
+}  // namespace kvlink

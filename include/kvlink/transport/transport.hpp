@@ -1,0 +1,213 @@
+// What a transport is to the engine, and what the engine is to a transport.
+//
+// A transport (tcp/, rdma/; later shared memory and CUDA IPC) moves the
+// slices the planner cut to one peer's memory and back. It registers memory
+// with its devices, describes itself in the peer descriptor (its entry under
+// "transports" and an opaque key per segment under "keys"), says whether a
+// peer's entry is reachable and why not, builds a data path to a peer,
+// takes inbound connections that name it, answers its peers' control
+// requests, and shuts down. Everything above it (slicing, striping over
+// lanes, completion fan-in, deadlines, the fence, notifications) lives once,
+// in the engine.
+//
+// Threads: the engine calls every member on its strand except
+// register_memory(), unregister_memory() and segment_key(), which may be
+// called from any thread. Paths run on the executor the environment names
+// (the engine's strand today; a strand of their own when data moves on
+// several cores).
+#pragma once
+
+#include <kvlink/control/handshake.hpp>
+#include <kvlink/core/error.hpp>
+#include <kvlink/core/instance.hpp>
+#include <kvlink/core/segment_registry.hpp>
+#include <kvlink/core/types.hpp>
+
+#include <chrono>
+#include <cstddef>
+#include <cstdint>
+#include <functional>
+#include <memory>
+#include <optional>
+#include <span>
+#include <string>
+#include <string_view>
+#include <system_error>
+
+#include <asio/any_io_executor.hpp>
+#include <asio/awaitable.hpp>
+#include <asio/ip/tcp.hpp>
+#include <nlohmann/json.hpp>
+
+namespace kvlink {
+
+namespace detail {
+struct transfer_op;  // the engine's state of one transfer: an opaque key to transports
+}  // namespace detail
+
+/// One slice as a transport sees it: where the local bytes are, where they go
+/// on the peer, and the transfer it belongs to.
+struct slice_ref {
+  detail::transfer_op* op = nullptr;
+  std::byte* local = nullptr;
+  std::uint64_t length = 0;
+  std::uint64_t segment = 0;  ///< the peer's segment id
+  std::uint64_t offset = 0;   ///< offset inside that segment
+  opcode kind = opcode::write;
+  std::uint64_t tag = 0;            ///< set by the transport when the slice is sent
+  std::uint64_t local_segment = 0;  ///< the registered local segment holding `local`
+  /// Check the payload end to end with a CRC32C (transports that can; TCP).
+  bool checksum = false;
+};
+
+/// The engine, as its transports see it.
+class transport_host {
+ public:
+  /// A slice finished: `bytes` reached their destination, or `ec` says why
+  /// not. Called exactly once per slice handed to a path, only once the
+  /// transport no longer touches the slice's local memory.
+  virtual void slice_done(detail::transfer_op* op, std::uint64_t bytes, std::error_code ec) = 0;
+  /// Whether the slice's transfer is stopping (failed, cancelled, past its
+  /// deadline): a transport retries nothing for it.
+  virtual bool stopping(const detail::transfer_op* op) const noexcept = 0;
+  /// Target side: a peer's validated access is about to touch (pin) or has
+  /// finished touching (unpin) a registered segment. Unregistration waits
+  /// until no pin is left.
+  virtual void pin(segment_id id) = 0;
+  virtual void unpin(segment_id id) = 0;
+
+ protected:
+  ~transport_host() = default;
+};
+
+/// A transport's data path to one peer: one or more lanes (TCP connections;
+/// an RDMA path is one lane that spreads over rails itself) that the planner
+/// stripes slices over, in proportion to their weights.
+class data_path {
+ public:
+  virtual ~data_path() = default;
+  /// One weight per lane; the planner gives each lane its share of a batch.
+  virtual std::span<const double> lane_weights() const noexcept = 0;
+  /// Starts receiving (once, after the path was made).
+  virtual void start() = 0;
+  /// Queues a slice on a lane; pump() sends what the lanes' windows allow.
+  virtual void enqueue(std::size_t lane, const slice_ref& s) = 0;
+  virtual void pump() = 0;
+  /// Removes queued (not yet sent) slices of `op` and returns how many. They
+  /// are not reported through slice_done: the caller accounts for them.
+  virtual std::size_t drop_queued(const detail::transfer_op* op) = 0;
+  virtual bool has_in_flight(const detail::transfer_op* op) const = 0;
+  /// The fence: `op`'s in-flight slices did not drain in time. Stop whatever
+  /// carries them; each is reported through slice_done once nothing can
+  /// touch its memory any more.
+  virtual void fence(const detail::transfer_op* op, std::error_code ec) = 0;
+  /// Stops the path for good: every queued and in-flight slice is reported
+  /// with `ec`, each only once nothing touches its memory.
+  virtual void fail(std::error_code ec) = 0;
+  /// A message the peer's transport sent back over the control channel
+  /// (answers to this path's requests).
+  virtual void on_message(const nlohmann::json& body) { (void)body; }
+};
+
+/// What a transport needs to make a path to one peer.
+struct path_context {
+  instance_id peer;
+  /// The peer's entry for this transport in its descriptor.
+  nlohmann::json entry;
+  /// Where the engine's control connection reached the peer: transports that
+  /// connect through the peer's listener (TCP lanes) go there.
+  asio::ip::tcp::endpoint endpoint;
+  /// The peer's segments as announced, with their keys.
+  std::shared_ptr<const remote_segment_cache> cache;
+  /// Sends a message to the peer's transport of the same name, over the
+  /// control channel (answers come back through data_path::on_message).
+  std::function<void(nlohmann::json)> send;
+  /// Called once when the path fails for good (the peer is gone).
+  std::function<void(std::error_code)> on_failure;
+  /// With authentication: the control connection's session, which this
+  /// path's own connections (TCP lanes) prove they belong to.
+  control::session_keys session;
+};
+
+/// What every transport gets from its engine.
+struct transport_env {
+  /// The engine's strand: every call but the memory ones runs on it.
+  asio::any_io_executor executor;
+  transport_host* host = nullptr;
+  /// Target side: checks every (segment, offset, length, access) a peer asks for.
+  const segment_registry* registry = nullptr;
+  instance_id self{};
+  std::chrono::milliseconds connect_timeout{5000};
+  std::uint64_t max_control_message = 1 << 20;
+  /// The shared secret connections prove (null or without one: none).
+  const control::peer_guard* guard = nullptr;
+};
+
+class transport {
+ public:
+  virtual ~transport() = default;
+
+  /// Its name: the key of its descriptor entry, what peer::transport() says.
+  virtual std::string_view name() const noexcept = 0;
+  /// Usable on this machine; when not, why not (no device, ...).
+  virtual bool available() const noexcept = 0;
+  virtual std::string unavailable_reason() const = 0;
+  /// The memory kinds it reads and writes directly.
+  virtual memory_kinds reaches() const noexcept = 0;
+  /// Starts background work (completion polling), once.
+  virtual void start() {}
+  /// Stops everything; its paths fail. Called once, on the strand.
+  virtual void shutdown() = 0;
+
+  /// Registers memory with its devices (any thread). `what` gets the failing
+  /// call on error ("ibv_reg_mr(segment 3 on rxe0): Cannot allocate memory").
+  virtual std::error_code register_memory(const segment_info& seg, std::string& what) {
+    (void)seg;
+    (void)what;
+    return {};
+  }
+  /// Deregisters; once it returns no device of its reads or writes the memory.
+  virtual void unregister_memory(segment_id id) { (void)id; }
+  /// Unregistration waited fence_timeout for peers' accesses to a segment:
+  /// close whatever still holds it (a peer's connection that stopped
+  /// reading), releasing its pins before this returns.
+  virtual void revoke(segment_id id) { (void)id; }
+  /// What peers need to address the segment through it (null: nothing).
+  virtual nlohmann::json segment_key(segment_id id) const {
+    (void)id;
+    return nullptr;
+  }
+
+  /// Its descriptor entry.
+  virtual nlohmann::json describe() const = 0;
+  /// Whether a peer whose entry is `entry` can be reached; when not, `why`.
+  virtual bool reachable(const nlohmann::json& entry, std::string& why) const = 0;
+  /// Makes a data path to a peer (TCP opens its lanes here; RDMA connects
+  /// lazily, on the first slice).
+  virtual asio::awaitable<std::error_code> connect(path_context ctx,
+                                                   std::shared_ptr<data_path>& out) = 0;
+
+  /// An inbound connection whose hello named this transport (after the
+  /// engine's handshake answered it). `lease` counts it among the engine's
+  /// open connections: hold it until the connection closes. The default
+  /// refuses it.
+  virtual void accept_lane(asio::ip::tcp::socket socket, const control::hello& h,
+                           std::shared_ptr<void> lease) {
+    (void)h;
+    (void)lease;
+    std::error_code ignored;
+    socket.close(ignored);
+  }
+  /// A request from a peer's path over the control session `session` (an
+  /// opaque key); returns the answer to send back, if any.
+  virtual std::optional<nlohmann::json> on_request(const void* session,
+                                                   const nlohmann::json& body) {
+    (void)session;
+    (void)body;
+    return std::nullopt;
+  }
+  /// The control session `session` closed: drop what was set up for it.
+  virtual void session_closed(const void* session) { (void)session; }
+};
+
+}  // namespace kvlink
