@@ -547,7 +547,12 @@ TEST_CASE(
 }
 
 TEST_CASE("cancellation: the handler gets errc::cancelled and no byte changes after it ran") {
-  rig r{64u << 20};
+  // What is in flight when the cancel lands must drain, not be fenced: a
+  // fence closes the lanes and loses the peer, and under ThreadSanitizer on
+  // a busy machine 64 MiB can take longer than the 200 ms of test_config().
+  kvlink::config cfg = test_config();
+  cfg.fence_timeout = 20s;
+  rig r{64u << 20, kvlink::access::remote_read_write, cfg, cfg};
   for (const auto op : {opcode::read, opcode::write}) {
     CAPTURE(kvlink::to_string(op));
     fill(r.local_mem, 21);
