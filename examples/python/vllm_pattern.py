@@ -1,0 +1,104 @@
+"""vLLM's disaggregated-prefill pattern over the Mooncake API, on kvlink.
+
+Two processes, as vLLM's MooncakeConnector runs them:
+  decode   registers its paged KV cache (one buffer per layer), picks free
+           blocks for a request and announces their addresses over a side
+           channel (vLLM uses ZMQ; a multiprocessing pipe here);
+  prefill  registers its KV cache, and pushes the prompt's blocks into the
+           announced ones with batch_transfer_sync_write from a thread pool
+           (one batch per layer), then says "done" over the side channel;
+  decode   checks every byte of every block.
+
+    PYTHONPATH=build/py/python/site /usr/bin/python3 examples/python/vllm_pattern.py
+
+`from mooncake.engine import TransferEngine` is what vLLM writes: with
+kvlink's alias installed (README, "Python") it is kvlink; here it falls back
+to kvlink.mooncake, the same class.
+"""
+
+import multiprocessing as mp
+import sys
+from concurrent.futures import ThreadPoolExecutor
+
+import numpy as np
+
+try:
+    from mooncake.engine import TransferEngine
+except ImportError:
+    from kvlink.mooncake import TransferEngine
+
+LAYERS = 8           # per-layer KV caches, as vLLM registers them
+BLOCKS = 256         # blocks per layer's cache
+BLOCK_BYTES = 32768  # one block of K and V for block_size tokens
+PROMPT_BLOCKS = 96   # blocks of the request's prompt
+
+
+def kv_block(layer: int, block: int) -> np.ndarray:
+    """What prefill computed for (layer, block): a pattern decode can recompute."""
+    return np.random.default_rng(layer * 100003 + block).integers(0, 256, BLOCK_BYTES,
+                                                                  dtype=np.uint8)
+
+
+def make_engine(kv: np.ndarray) -> TransferEngine:
+    eng = TransferEngine()
+    assert eng.initialize("127.0.0.1", "P2PHANDSHAKE", "tcp", "") == 0
+    addrs = [kv[layer].ctypes.data for layer in range(LAYERS)]
+    assert eng.batch_register_memory(addrs, [kv[layer].nbytes for layer in range(LAYERS)]) == 0
+    return eng
+
+
+def decode(pipe) -> None:
+    kv = np.zeros((LAYERS, BLOCKS, BLOCK_BYTES), np.uint8)
+    eng = make_engine(kv)
+    # Free blocks, in no particular order, as a block manager hands them out.
+    block_ids = np.random.default_rng(7).permutation(BLOCKS)[:PROMPT_BLOCKS].tolist()
+    pipe.send({"request_id": "req-0",
+               "session": f"127.0.0.1:{eng.get_rpc_port()}",
+               "layer_bases": [kv[layer].ctypes.data for layer in range(LAYERS)],
+               "block_ids": block_ids})
+    assert pipe.recv() == ("done", "req-0")
+    bad = [(layer, i) for layer in range(LAYERS) for i, b in enumerate(block_ids)
+           if not np.array_equal(kv[layer, b], kv_block(layer, i))]
+    pipe.send(("checked", len(bad)))
+    eng.batch_unregister_memory([kv[layer].ctypes.data for layer in range(LAYERS)])
+
+
+def prefill(pipe) -> int:
+    kv = np.zeros((LAYERS, BLOCKS, BLOCK_BYTES), np.uint8)
+    for layer in range(LAYERS):  # the prompt occupies blocks 0..PROMPT_BLOCKS-1 here
+        for i in range(PROMPT_BLOCKS):
+            kv[layer, i] = kv_block(layer, i)
+    eng = make_engine(kv)
+    meta = pipe.recv()
+
+    def push(layer: int) -> int:
+        src = [kv[layer, i].ctypes.data for i in range(PROMPT_BLOCKS)]
+        dst = [meta["layer_bases"][layer] + b * BLOCK_BYTES for b in meta["block_ids"]]
+        return eng.batch_transfer_sync_write(meta["session"], src, dst,
+                                             [BLOCK_BYTES] * PROMPT_BLOCKS)
+
+    with ThreadPoolExecutor(max_workers=10) as pool:  # vLLM's transfer threads
+        results = list(pool.map(push, range(LAYERS)))
+    pipe.send(("done", meta["request_id"]))
+    _, bad = pipe.recv()
+    total = LAYERS * PROMPT_BLOCKS * BLOCK_BYTES
+    print(f"prefill -> decode: {LAYERS} layers x {PROMPT_BLOCKS} blocks of {BLOCK_BYTES} B "
+          f"({total / 1e6:.1f} MB) with {TransferEngine.__module__}.TransferEngine; "
+          f"results {set(results)}, blocks with wrong bytes: {bad}")
+    return 0 if results == [0] * LAYERS and bad == 0 else 1
+
+
+def main() -> int:
+    ctx = mp.get_context("spawn")  # a fresh interpreter, as vLLM's workers are
+    here, there = ctx.Pipe()
+    child = ctx.Process(target=decode, args=(there,))
+    child.start()
+    try:
+        rc = prefill(here)
+    finally:
+        child.join(60)
+    return rc if child.exitcode == 0 else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,368 @@
+"""kvlink: moves KV cache between LLM serving processes, from Python.
+
+    import numpy as np, kvlink
+
+    eng = kvlink.Engine(listen="127.0.0.1:0")          # settings: kvlink.config_table()
+    kv = np.zeros(1 << 20, np.uint8)
+    eng.register(kv)                                   # any writable buffer, a torch tensor, or (address, length)
+    peer = eng.connect("127.0.0.1:17001")              # the peer's local_address
+    seg = peer.segments()[0]
+    eng.write(peer, kvlink.address_of(kv), seg.base, kv.nbytes)       # by the peer's address
+    eng.write(peer, addrs, offsets, 4096, segment=seg.id)             # by (segment, offset); arrays
+    result = await eng.awrite(peer, addrs, offsets, 4096, segment=seg.id)   # from asyncio
+
+A batch is columns: local addresses, remote addresses (or offsets with
+`segment=`), lengths; each an int (the same for every entry), a list of ints
+or a 1-D numpy array of 8-byte integers (read in place: cheap for 10^5
+entries). Every failure raises kvlink.Error, whose `errc` is the error's name
+("not_registered", "deadline_exceeded", ...). Blocking calls release the GIL;
+an Engine may be used from many threads at once; a completed transfer is in
+the destination's memory (WRITE: placed and acknowledged by the peer).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import atexit
+import datetime
+import json
+import threading
+import weakref
+from typing import Any, Dict, List, Optional, Union
+
+from . import _kvlink
+
+__all__ = [
+    "Engine", "Error", "Peer", "Notification", "TransferResult", "SegmentInfo", "Operation",
+    "READ", "WRITE", "address_of", "config_table", "make_config", "describe", "__version__",
+]
+
+__version__: str = _kvlink.__version__
+Error = _kvlink.Error
+Peer = _kvlink.Peer
+Notification = _kvlink.Notification
+TransferResult = _kvlink.TransferResult
+SegmentInfo = _kvlink.SegmentInfo
+Operation = _kvlink.Operation
+
+READ = 0   # remote -> local
+WRITE = 1  # local -> remote
+
+
+def _error(errc: str, text: str) -> Error:
+    """A kvlink.Error raised by the Python layer, shaped like the C++ ones."""
+    err = Error(f"{text} [{errc}]")
+    err.errc, err.value, err.category, err.message, err.context = errc, 0, "kvlink", text, ""
+    return err
+
+
+# ------------------------------------------------------------------ config
+
+def config_table() -> List[Dict[str, Any]]:
+    """Every setting: name (the keyword), env (KVLINK_*), unit, doc, component, default."""
+    return json.loads(_kvlink.config_table_json())
+
+
+def _ms(value: Any) -> Any:
+    if isinstance(value, datetime.timedelta):
+        return int(value.total_seconds() * 1000)
+    return value
+
+
+def make_config(config: Optional[Dict[str, Any]] = None, *, use_env: bool = True,
+                **settings: Any) -> Dict[str, Any]:
+    """A complete, validated settings dict: defaults, then KVLINK_* variables
+    (use_env), then `config`, then `settings`. Sizes take ints or "4MiB";
+    durations ints (ms), "250ms" or a timedelta. Raises kvlink.Error
+    (invalid_argument) naming the setting and the rule."""
+    merged = dict(config or {})
+    merged.update(settings)
+    text = json.dumps({k: _ms(v) for k, v in merged.items()})
+    return json.loads(_kvlink.normalize_config(text, use_env))
+
+
+def describe(config: Optional[Dict[str, Any]] = None, **settings: Any) -> str:
+    """The settings as a table (name, value, unit, env var, doc); secrets hidden."""
+    return _kvlink.describe_config(json.dumps(make_config(config, use_env=False, **settings)))
+
+
+# --------------------------------------------------------------- memory
+
+def address_of(obj: Any) -> int:
+    """The address of a contiguous buffer (numpy array, bytearray, ...) or a
+    torch tensor (data_ptr()). Keep `obj` alive while the address is used."""
+    if hasattr(obj, "data_ptr"):
+        return int(obj.data_ptr())
+    return _kvlink.buffer_address(obj, False)[0]
+
+
+def _memory_of(obj: Any) -> tuple:
+    """(address, bytes, pin) of something to register; `pin` keeps it alive."""
+    if hasattr(obj, "data_ptr") and hasattr(obj, "element_size"):  # a torch tensor
+        if getattr(obj, "is_cuda", False) or str(getattr(obj, "device", "cpu")) != "cpu":
+            raise _error("invalid_argument",
+                         f"register: a tensor on {obj.device}: kvlink moves host memory only "
+                         "until its GPU support lands")
+        if not obj.is_contiguous():
+            raise _error("invalid_argument", "register: the tensor is not contiguous")
+        return int(obj.data_ptr()), int(obj.numel() * obj.element_size()), obj
+    view = memoryview(obj)  # pins the exporter's memory while registered
+    addr, length = _kvlink.buffer_address(obj, True)
+    return addr, length, view
+
+
+def _deadline_ms(deadline: Any) -> Optional[int]:
+    if deadline is None:
+        return None
+    if isinstance(deadline, datetime.timedelta):
+        deadline = deadline.total_seconds()
+    return int(round(float(deadline) * 1000))
+
+
+def _notify_args(notify: Any) -> tuple:
+    if notify is None:
+        return None, b""
+    if isinstance(notify, str):
+        return notify, b""
+    if isinstance(notify, Notification):
+        return notify.id, notify.payload
+    nid, payload = notify
+    return nid, payload
+
+
+# --------------------------------------------------------------- asyncio
+
+def _wake(fut: "asyncio.Future[None]") -> None:
+    if not fut.done():
+        fut.set_result(None)
+
+
+async def _until_done(op: Operation) -> None:
+    """Waits for `op` on the running loop, without blocking it: the
+    operation's done-callback (on kvlink's callback thread) wakes the loop
+    through call_soon_threadsafe."""
+    loop = asyncio.get_running_loop()
+    fut = loop.create_future()
+
+    def done() -> None:
+        try:
+            loop.call_soon_threadsafe(_wake, fut)
+        except RuntimeError:  # the loop closed meanwhile: nobody waits any more
+            pass
+
+    op.add_done_callback(done)
+    await fut
+
+
+async def _await_op(op: Operation) -> Any:
+    """The result of `op`. A cancelled task cancels the operation and still
+    waits for it to finish, so the memory is free to reuse when the
+    CancelledError arrives (the completion is the fence, as in C++)."""
+    try:
+        await _until_done(op)
+    except asyncio.CancelledError:
+        op.cancel()
+        while not op.done():
+            try:
+                await _until_done(op)
+            except asyncio.CancelledError:
+                continue
+        raise
+    return op.result()
+
+
+# ---------------------------------------------------------------- engine
+
+_live: "weakref.WeakSet[Engine]" = weakref.WeakSet()
+
+
+@atexit.register
+def _close_all() -> None:
+    # Before the interpreter finalises, while threads can still take the GIL.
+    for eng in list(_live):
+        eng.close()
+
+
+class Engine:
+    """A kvlink engine with its own I/O thread. Thread-safe: every method may
+    be called from any thread at once; blocking ones release the GIL."""
+
+    def __init__(self, config: Optional[Dict[str, Any]] = None, *, use_env: bool = True,
+                 **settings: Any) -> None:
+        cfg = make_config(config, use_env=use_env, **settings)
+        self._core = _kvlink.Engine(json.dumps(cfg))
+        self._pins: Dict[int, Any] = {}
+        self._lock = threading.Lock()
+        _live.add(self)
+
+    # -- life
+    def close(self) -> None:
+        """Closes the engine; transfers in flight fail with errc 'cancelled'.
+        Registered memory may be freed once it returns. Idempotent."""
+        self._core.close()
+        with self._lock:
+            self._pins.clear()
+
+    def __del__(self) -> None:
+        # Close before the attributes go: the pinned buffers must outlive
+        # every access of a peer to them.
+        core = getattr(self, "_core", None)
+        if core is not None:
+            try:
+                core.close()
+            except Exception:  # from a done-callback: the C++ side closes it on release
+                pass
+
+    def __enter__(self) -> "Engine":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+    # -- what it is
+    @property
+    def local_address(self) -> str:
+        """host:port peers connect to (Engine.connect on their side)."""
+        return self._core.local_address
+
+    @property
+    def listen_address(self) -> str:
+        return self._core.listen_address
+
+    @property
+    def transports(self) -> str:
+        """The transports offered, with the reason for those not usable here."""
+        return self._core.transports
+
+    @property
+    def instance(self) -> str:
+        return self._core.instance
+
+    @property
+    def config(self) -> Dict[str, Any]:
+        return json.loads(self._core.config_json())
+
+    # -- memory
+    def register(self, memory: Any, length: Optional[int] = None, *,
+                 access: str = "read_write") -> int:
+        """Registers memory for transfers and for peers to access ("none",
+        "read", "write", "read_write"): an address with `length`, or any
+        writable contiguous buffer (numpy array, bytearray, mmap) or CPU torch
+        tensor, which stays referenced until unregistered. Returns the segment id."""
+        if isinstance(memory, int):
+            if length is None:
+                raise TypeError("register(address, length): the length is missing")
+            addr, size, pin = memory, int(length), None
+        else:
+            addr, size, pin = _memory_of(memory)
+            if length is not None:
+                size = min(size, int(length))
+        seg = self._core.register(addr, size, access)
+        if pin is not None:
+            with self._lock:
+                self._pins[seg] = pin
+        return seg
+
+    def unregister(self, segment: int, timeout: Optional[float] = None) -> None:
+        """Unregisters and returns once no peer's access touches the segment."""
+        self._core.unregister_async(segment).result(timeout)
+        with self._lock:
+            self._pins.pop(segment, None)
+
+    def segments(self) -> List[SegmentInfo]:
+        return self._core.segments()
+
+    # -- peers
+    def connect(self, name: str, timeout: Optional[float] = None) -> Peer:
+        """Connects to a peer ("host:port", its local_address); connecting
+        again to a live peer returns the same peer. `timeout`: seconds to wait
+        (the engine's connect_timeout bounds the dial itself)."""
+        op = self._core.connect_async(name)
+        if not op.wait(timeout):
+            raise _error("peer_unreachable", f"connect to {name}: no answer within {timeout} s")
+        return op.result()
+
+    async def aconnect(self, name: str) -> Peer:
+        return await _await_op(self._core.connect_async(name))
+
+    # -- transfers
+    def submit(self, op: int, peer: Peer, local: Any, remote: Any, lengths: Any, *,
+               segment: Any = None, notify: Any = None, deadline: Any = None,
+               checksum: Optional[bool] = None) -> Operation:
+        """Starts a batch and returns its Operation (wait(), result(), cancel(),
+        add_done_callback()). `remote`: peer addresses, or offsets in
+        `segment` (one id, or one per entry). `notify`: (id, payload) the
+        peer receives after the data. `deadline`: seconds (None: the engine's
+        transfer_deadline; 0: none)."""
+        nid, payload = _notify_args(notify)
+        return self._core.submit(op, peer, local, remote, lengths, segment, nid, payload,
+                                 _deadline_ms(deadline), checksum)
+
+    def write(self, peer: Peer, local: Any, remote: Any, lengths: Any, **kw: Any) -> TransferResult:
+        """Local memory -> the peer's; returns once the peer has the bytes."""
+        return self.submit(WRITE, peer, local, remote, lengths, **kw).result()
+
+    def read(self, peer: Peer, local: Any, remote: Any, lengths: Any, **kw: Any) -> TransferResult:
+        """The peer's memory -> local; returns once the bytes are here."""
+        return self.submit(READ, peer, local, remote, lengths, **kw).result()
+
+    async def awrite(self, peer: Peer, local: Any, remote: Any, lengths: Any,
+                     **kw: Any) -> TransferResult:
+        return await _await_op(self.submit(WRITE, peer, local, remote, lengths, **kw))
+
+    async def aread(self, peer: Peer, local: Any, remote: Any, lengths: Any,
+                    **kw: Any) -> TransferResult:
+        return await _await_op(self.submit(READ, peer, local, remote, lengths, **kw))
+
+    # -- notifications
+    def send_notification(self, peer: Peer, id: str, payload: Union[bytes, str] = b"") -> None:
+        """Sends a standalone notification; returns once it is handed to the kernel."""
+        self._core.send_notification_async(peer, id, payload).result()
+
+    async def asend_notification(self, peer: Peer, id: str,
+                                 payload: Union[bytes, str] = b"") -> None:
+        await _await_op(self._core.send_notification_async(peer, id, payload))
+
+    def recv_notification(self, timeout: Optional[float] = None) -> Optional[Notification]:
+        """The next notification from any peer, in arrival order; None after
+        `timeout` seconds. Raises kvlink.Error (cancelled) once the engine closed."""
+        return self._core.receive(timeout)
+
+    def notifications(self) -> List[Notification]:
+        """Every notification that has arrived, without waiting."""
+        return self._core.drain()
+
+    async def arecv_notification(self) -> Notification:
+        """The next notification, awaited without blocking the event loop. A
+        notification is never lost to a cancelled waiter: it goes back first
+        in line."""
+        loop = asyncio.get_running_loop()
+        fut = loop.create_future()
+        core = self._core
+
+        def settle(n: Optional[Notification]) -> None:  # on the event loop
+            if fut.cancelled():
+                if n is not None:
+                    core.put_back(n)
+            elif n is None:
+                fut.set_exception(_error("cancelled", "receive notification: the engine closed"))
+            else:
+                fut.set_result(n)
+
+        def deliver(n: Optional[Notification]) -> None:  # on kvlink's callback thread
+            try:
+                loop.call_soon_threadsafe(settle, n)
+            except RuntimeError:  # the loop is gone: keep the notification
+                if n is not None:
+                    core.put_back(n)
+
+        ticket = core.receive_async(deliver)
+        try:
+            return await fut
+        except asyncio.CancelledError:
+            if not core.cancel_receive(ticket):
+                # Handed over already: settle() puts it back, unless it ran
+                # first and the cancellation came between it and this task.
+                if fut.done() and not fut.cancelled() and fut.exception() is None:
+                    core.put_back(fut.result())
+            raise

@@ -1,0 +1,495 @@
+"""Mooncake's `mooncake.engine` API over kvlink.
+
+vLLM's MooncakeConnector and SGLang's mooncake backend drive
+`mooncake.engine.TransferEngine`; this module has the same class, method
+names, positional order, defaults and integer results, so that they run on
+kvlink unchanged (see the README, "Python", for how `import mooncake.engine`
+finds it). What differs, and why:
+
+- Metadata: only "P2PHANDSHAKE" (as vLLM and SGLang use it). A session is
+  "host:port" with the port from the peer's get_rpc_port(); the engine listens
+  on `local_hostname`'s address on a port of its own choosing (with
+  MC_LEGACY_RPC_PORT_BINDING, on the port in local_hostname). A metadata
+  server (etcd://, http://, redis://) gives -1: kvlink has none.
+- Peer buffer addresses are the peer's virtual addresses inside its
+  registered buffers, as in Mooncake: kvlink maps each to (segment, offset)
+  through the segments the peer advertises in the handshake.
+- protocol: "tcp"; "rdma" uses kvlink's RDMA transport where this build has
+  it and the machine a usable device, and TCP otherwise, saying so on the
+  "kvlink.mooncake" logger. MC_FORCE_TCP forces TCP. Other protocols
+  (nvlink, efa, hip, ...) give -1. MC_TRANSFER_TIMEOUT (seconds, at least 5,
+  default 30) plus 1 s per GB bounds each transfer, as in Mooncake.
+- Failures are -1 (0 for the batch ids of the async calls) with the reason
+  on the "kvlink.mooncake" logger; nothing is left half-done: a batch with a
+  bad entry moves nothing, and every call that returns has finished touching
+  memory, except the async ones, whose ids are waited for by
+  get_batch_transfer_status / transfer_check_status.
+- Memory: host memory only until kvlink's GPU support lands (a "cuda:N"
+  location gives -1). allocate_managed_buffer maps and registers one buffer
+  per call (no slab pool); write_bytes_to_buffer / read_bytes_from_buffer
+  accept only memory registered with this engine.
+- get_engine() / get_engine_ptr() (Mooncake's C++ engine, for mooncake.store)
+  and the *_on_cuda calls raise NotImplementedError.
+
+KVLINK_* variables (kvlink.config_table()) apply too, e.g. KVLINK_AUTH_SECRET.
+"""
+
+from __future__ import annotations
+
+import enum
+import itertools
+import logging
+import os
+import sys
+import threading
+from typing import Any, Dict, List, Optional
+
+import kvlink
+from kvlink import _kvlink
+
+__all__ = ["TransferEngine", "TransferOpcode", "TransferNotify", "Read", "Write",
+           "SUPPORT_CUDA", "SUPPORT_EFA", "SUPPORT_HIP", "SUPPORT_MNNVL", "SUPPORT_INTRA_NVLINK"]
+
+log = logging.getLogger("kvlink.mooncake")
+
+SUPPORT_CUDA = False
+SUPPORT_EFA = False
+SUPPORT_HIP = False
+SUPPORT_MNNVL = False
+SUPPORT_INTRA_NVLINK = False
+
+P2PHANDSHAKE = "P2PHANDSHAKE"
+
+
+class TransferOpcode(enum.IntEnum):
+    """Mooncake's opcode (its members are Read and Write; READ/WRITE alias them)."""
+    Read = 0
+    Write = 1
+    READ = 0
+    WRITE = 1
+
+
+Read = TransferOpcode.Read
+Write = TransferOpcode.Write
+
+
+class TransferNotify:
+    """A notification sent with a transfer: the peer's get_notifies() returns
+    it once the data is in its memory."""
+
+    def __init__(self, name: str = "", msg: str = "") -> None:
+        self.name = name
+        self.msg = msg
+
+    def __repr__(self) -> str:
+        return f"TransferNotify(name={self.name!r}, msg={self.msg!r})"
+
+
+def _env_true(name: str) -> bool:
+    return os.environ.get(name, "").strip().lower() not in ("", "0", "false", "no", "off")
+
+
+def _session(name: str) -> str:
+    """kvlink's "host:port" for a Mooncake session name: an IPv6 host without
+    brackets ("::1:12345", as f"{host}:{port}" builds it) gets them."""
+    host, sep, port = name.rpartition(":")
+    if sep and ":" in host and not host.startswith("["):
+        return f"[{host}]:{port}"
+    return name
+
+
+def _listen_host(local_hostname: str) -> tuple:
+    """(host, port) of Mooncake's local_hostname ("10.0.0.1", "10.0.0.1:12345", "[::1]:0", "::1")."""
+    text = local_hostname.strip()
+    if text.startswith("["):
+        host, _, rest = text[1:].partition("]")
+        return host, int(rest[1:]) if rest.startswith(":") and rest[1:].isdigit() else 0
+    if text.count(":") == 1:
+        host, port = text.split(":")
+        return host, int(port) if port.isdigit() else 0
+    return text, 0  # a bare host name or IPv6 address
+
+
+class TransferEngine:
+    """Mooncake's TransferEngine over kvlink. Thread-safe; transfers release
+    the GIL and wait on their completion (no polling)."""
+
+    TransferOpcode = TransferOpcode
+
+    def __init__(self) -> None:
+        timeout = os.environ.get("MC_TRANSFER_TIMEOUT")
+        try:
+            self._timeout_s = max(5, int(timeout)) if timeout else 30
+        except ValueError:
+            self._timeout_s = 30
+        self._engine: Optional[kvlink.Engine] = None
+        self._lock = threading.Lock()
+        self._peers: Dict[str, kvlink.Peer] = {}
+        self._batches: Dict[int, _kvlink.Operation] = {}
+        self._batch_ids = itertools.count(1)
+        self._managed: Dict[int, int] = {}  # address -> length
+        self._connect_limit = 6.0  # seconds; from the engine's connect_timeout
+
+    # ------------------------------------------------------------ set-up
+
+    def initialize(self, local_hostname, metadata_server, protocol, device_name, /) -> int:
+        return self.initialize_ext(local_hostname, metadata_server, protocol, device_name, "p2p")
+
+    def initialize_ext(self, local_hostname, metadata_server, protocol, device_name,
+                       metadata_type, /) -> int:
+        if self._engine is not None:
+            log.error("initialize: this TransferEngine is already initialized")
+            return -1
+        if metadata_server != P2PHANDSHAKE:
+            log.error("initialize: metadata server %r (%s): kvlink has no metadata server; use "
+                      "\"P2PHANDSHAKE\" (peers are named host:port and exchange their buffers in "
+                      "the handshake)", metadata_server, metadata_type)
+            return -1
+        proto = (protocol or "tcp").lower()
+        settings: Dict[str, Any] = {}
+        if proto == "tcp" or (proto == "rdma" and _env_true("MC_FORCE_TCP")):
+            settings["transports"] = "tcp"
+        elif proto == "rdma":
+            if _kvlink.HAS_RDMA:
+                settings["transports"] = "rdma,tcp"
+                if device_name:
+                    settings["rdma_devices"] = device_name
+            else:
+                log.warning("protocol 'rdma': this kvlink build has no RDMA transport; using TCP")
+                settings["transports"] = "tcp"
+        else:
+            log.error("initialize: protocol %r is not available in kvlink (it has tcp and rdma)",
+                      protocol)
+            return -1
+        host, port = _listen_host(local_hostname or "127.0.0.1")
+        if not _env_true("MC_LEGACY_RPC_PORT_BINDING"):
+            port = 0  # P2PHANDSHAKE: a port of the engine's own choosing
+        settings["listen"] = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+        try:
+            self._engine = kvlink.Engine(**settings)
+        except kvlink.Error as e:
+            log.error("initialize: %s", e)
+            return -1
+        self._connect_limit = self._engine.config["connect_timeout"] / 1000 + 1
+        offer = self._engine.transports
+        if proto == "rdma" and not offer.startswith("rdma"):
+            log.warning("protocol 'rdma': falling back to TCP: %s", offer)
+        return 0
+
+    def get_rpc_port(self, /) -> int:
+        if self._engine is None:
+            return -1
+        return int(self._engine.listen_address.rpartition(":")[2])
+
+    def get_engine(self, /):
+        raise NotImplementedError(
+            "kvlink.mooncake: get_engine() returns Mooncake's C++ engine (for mooncake.store); "
+            "kvlink has none to give. Use this TransferEngine's methods.")
+
+    def get_engine_ptr(self, /):
+        raise NotImplementedError("kvlink.mooncake: get_engine_ptr(): see get_engine()")
+
+    def get_local_topology(self, device_name=None):
+        raise NotImplementedError(
+            "kvlink.mooncake: get_local_topology(): kvlink picks devices itself; see "
+            "kvlink.Engine.transports")
+
+    # ------------------------------------------------------------ memory
+
+    def register_memory(self, buffer_addr, capacity, location="*") -> int:
+        eng = self._ready("register_memory")
+        if eng is None:
+            return -1
+        if str(location).startswith(("cuda", "npu", "musa", "hip")):
+            log.error("register_memory(%#x): location %r: kvlink moves host memory only until "
+                      "its GPU support lands", buffer_addr, location)
+            return -1
+        try:
+            eng.register(int(buffer_addr), int(capacity))
+            return 0
+        except (kvlink.Error, TypeError, ValueError, OverflowError) as e:
+            log.error("register_memory(%#x, %d): %s", buffer_addr or 0, capacity or 0, e)
+            return -1
+
+    def unregister_memory(self, buffer_addr, /) -> int:
+        eng = self._ready("unregister_memory")
+        if eng is None:
+            return -1
+        seg = eng._core.segment_at(int(buffer_addr))
+        if seg is None:
+            log.error("unregister_memory(%#x): not registered", buffer_addr)
+            return -1
+        try:
+            eng.unregister(seg.id)
+            return 0
+        except kvlink.Error as e:
+            log.error("unregister_memory(%#x): %s", buffer_addr, e)
+            return -1
+
+    def batch_register_memory(self, buffer_addresses, capacities, location="*") -> int:
+        """All or nothing: a failure unregisters what this call registered."""
+        if len(buffer_addresses) != len(capacities):
+            log.error("batch_register_memory: %d addresses, %d capacities",
+                      len(buffer_addresses), len(capacities))
+            return -1
+        done = []
+        for addr, cap in zip(buffer_addresses, capacities):
+            if self.register_memory(addr, cap, location) != 0:
+                for a in done:
+                    self.unregister_memory(a)
+                return -1
+            done.append(addr)
+        return 0
+
+    def batch_unregister_memory(self, buffer_addresses, /) -> int:
+        results = [self.unregister_memory(a) for a in buffer_addresses]
+        return 0 if all(r == 0 for r in results) else -1
+
+    def allocate_managed_buffer(self, length, /) -> int:
+        """A page-aligned, zeroed, registered buffer; 0 on failure."""
+        eng = self._ready("allocate_managed_buffer")
+        if eng is None or length <= 0:
+            return 0
+        try:
+            addr = _kvlink.map_pages(int(length))
+        except kvlink.Error as e:
+            log.error("allocate_managed_buffer(%d): %s", length, e)
+            return 0
+        if self.register_memory(addr, length) != 0:
+            _kvlink.unmap_pages(addr, int(length))
+            return 0
+        with self._lock:
+            self._managed[addr] = int(length)
+        return addr
+
+    def free_managed_buffer(self, buffer_addr, length, /) -> int:
+        with self._lock:
+            size = self._managed.pop(int(buffer_addr), None)
+        if size is None:
+            log.error("free_managed_buffer(%#x): not from allocate_managed_buffer", buffer_addr)
+            return -1
+        self.unregister_memory(buffer_addr)  # waits until no peer touches it
+        _kvlink.unmap_pages(int(buffer_addr), size)
+        return 0
+
+    def write_bytes_to_buffer(self, dest_address, src_ptr, length, /) -> int:
+        eng = self._ready("write_bytes_to_buffer")
+        if eng is None:
+            return -1
+        data = src_ptr.encode() if isinstance(src_ptr, str) else src_ptr
+        try:
+            eng._core.write_bytes(int(dest_address), data, int(length))
+            return 0
+        except kvlink.Error as e:
+            log.error("write_bytes_to_buffer: %s", e)
+            return -1
+
+    def read_bytes_from_buffer(self, source_address, length, /) -> bytes:
+        eng = self._ready("read_bytes_from_buffer", raise_=True)
+        return eng._core.read_bytes(int(source_address), int(length))
+
+    def get_first_buffer_address(self, segment_name, /) -> int:
+        """The base of the first buffer `segment_name` registered; 0 if none."""
+        peer = self._peer(segment_name, "get_first_buffer_address")
+        if peer is None:
+            return 0
+        segs = sorted(peer.segments(), key=lambda s: s.id)
+        return segs[0].base if segs else 0
+
+    # --------------------------------------------------------- transfers
+
+    def transfer_sync_write(self, target_hostname, buffer, peer_buffer_address, length,
+                            transport_hint="") -> int:
+        return self._sync(target_hostname, kvlink.WRITE, buffer, peer_buffer_address, length)
+
+    def transfer_sync_read(self, target_hostname, buffer, peer_buffer_address, length,
+                           transport_hint="") -> int:
+        return self._sync(target_hostname, kvlink.READ, buffer, peer_buffer_address, length)
+
+    def transfer_sync(self, target_hostname, buffer, peer_buffer_address, length, opcode,
+                      notify=None, transport_hint="") -> int:
+        return self._sync(target_hostname, int(opcode), buffer, peer_buffer_address, length,
+                          notify)
+
+    def batch_transfer_sync_write(self, target_hostname, buffers, peer_buffer_addresses, lengths,
+                                  transport_hint="") -> int:
+        return self._sync(target_hostname, kvlink.WRITE, buffers, peer_buffer_addresses, lengths)
+
+    def batch_transfer_sync_read(self, target_hostname, buffers, peer_buffer_addresses, lengths,
+                                 transport_hint="") -> int:
+        return self._sync(target_hostname, kvlink.READ, buffers, peer_buffer_addresses, lengths)
+
+    def batch_transfer_sync(self, target_hostname, buffers, peer_buffer_addresses, lengths,
+                            opcode, notify=None, transport_hint="") -> int:
+        return self._sync(target_hostname, int(opcode), buffers, peer_buffer_addresses, lengths,
+                          notify)
+
+    def batch_transfer_async_write(self, target_hostname, buffers, peer_buffer_addresses,
+                                   lengths, transport_hint="") -> int:
+        return self._async(target_hostname, kvlink.WRITE, buffers, peer_buffer_addresses,
+                           lengths, 0)
+
+    def batch_transfer_async_read(self, target_hostname, buffers, peer_buffer_addresses, lengths,
+                                  transport_hint="") -> int:
+        return self._async(target_hostname, kvlink.READ, buffers, peer_buffer_addresses, lengths,
+                           0)
+
+    def batch_transfer_async(self, target_hostname, buffers, peer_buffer_addresses, lengths,
+                             opcode, transport_hint="") -> int:
+        return self._async(target_hostname, int(opcode), buffers, peer_buffer_addresses, lengths,
+                           0)
+
+    def transfer_submit_write(self, target_hostname, buffer, peer_buffer_address, length,
+                              transport_hint="") -> int:
+        return self._async(target_hostname, kvlink.WRITE, buffer, peer_buffer_address, length, -1)
+
+    def get_batch_transfer_status(self, batch_ids, /) -> int:
+        """Waits for every batch; 0 if all succeeded, else -1 (an unknown id counts as failed)."""
+        ok = True
+        for bid in batch_ids:
+            with self._lock:
+                op = self._batches.pop(int(bid), None)
+            if op is None:
+                log.error("get_batch_transfer_status: unknown batch id %s", bid)
+                ok = False
+                continue
+            op.wait()  # bounded by the transfer's deadline and the engine's fence
+            ok = self._outcome(op) and ok
+        return 0 if ok else -1
+
+    def transfer_check_status(self, batch_id, /) -> int:
+        """1 done, 0 in progress, -1 failed or unknown, -2 timed out."""
+        with self._lock:
+            op = self._batches.get(int(batch_id))
+            if op is None:
+                return -1
+            if not op.done():
+                return 0
+            del self._batches[int(batch_id)]
+        try:
+            op.result()
+            return 1
+        except kvlink.Error as e:
+            log.error("transfer %s: %s", batch_id, e)
+            return -2 if e.errc == "deadline_exceeded" else -1
+
+    def transfer_write_on_cuda(self, *args, **kwargs):
+        raise NotImplementedError("kvlink.mooncake: *_on_cuda transfers need kvlink's GPU support")
+
+    transfer_read_on_cuda = transfer_write_on_cuda
+    batch_transfer_write_on_cuda = transfer_write_on_cuda
+    batch_transfer_read_on_cuda = transfer_write_on_cuda
+
+    def warmup_efa_segment(self, segment_name) -> int:
+        return 0  # no EFA here: nothing to warm up, as in Mooncake's builds without EFA
+
+    # ------------------------------------------------------ notifications
+
+    def get_notifies(self, /) -> List[TransferNotify]:
+        eng = self._ready("get_notifies")
+        if eng is None:
+            return []
+        return [TransferNotify(n.id, n.payload.decode("utf-8", "surrogateescape"))
+                for n in eng.notifications()]
+
+    def send_probe(self, peer_server_name) -> int:
+        """0 when the peer answers a fresh handshake, -1 otherwise."""
+        return 0 if self._peer(peer_server_name, "send_probe", fresh=True) is not None else -1
+
+    # ----------------------------------------------------------- helpers
+
+    def _ready(self, what: str, raise_: bool = False) -> Optional[kvlink.Engine]:
+        if self._engine is None:
+            if raise_:
+                raise RuntimeError(f"kvlink.mooncake: {what}: call initialize() first")
+            log.error("%s: call initialize() first", what)
+        return self._engine
+
+    def _peer(self, name: str, what: str, fresh: bool = False) -> Optional[kvlink.Peer]:
+        """The connected peer `name`, connecting (again) when needed; None on failure."""
+        eng = self._ready(what)
+        if eng is None:
+            return None
+        key = _session(str(name))
+        with self._lock:
+            peer = self._peers.get(key)
+        if peer is not None and peer.connected and not fresh:
+            return peer
+        try:
+            peer = eng.connect(key, timeout=self._connect_limit)
+        except kvlink.Error as e:
+            log.error("%s: cannot reach %s: %s", what, name, e)
+            with self._lock:
+                self._peers.pop(key, None)
+            return None
+        with self._lock:
+            self._peers[key] = peer
+        return peer
+
+    def _deadline(self, lengths: Any) -> float:
+        # Mooncake's bound: MC_TRANSFER_TIMEOUT plus one second per 10^9 bytes.
+        try:
+            if isinstance(lengths, int):
+                total = lengths
+            elif hasattr(lengths, "sum"):  # numpy: no Python int per entry
+                total = int(lengths.sum())
+            else:
+                total = sum(lengths)
+        except (TypeError, ValueError):
+            total = 0
+        return self._timeout_s + total / 1e9
+
+    def _submit(self, target: str, op: int, local: Any, remote: Any, lengths: Any,
+                notify: Optional[TransferNotify], what: str) -> Optional[_kvlink.Operation]:
+        peer = self._peer(target, what)
+        if peer is None:
+            return None
+        try:
+            return self._engine.submit(op, peer, local, remote, lengths,
+                                       notify=None if notify is None else (notify.name, notify.msg),
+                                       deadline=self._deadline(lengths))
+        except (kvlink.Error, TypeError, ValueError, OverflowError) as e:
+            log.error("%s to %s: %s", what, target, e)
+            return None
+
+    def _outcome(self, op: _kvlink.Operation) -> bool:
+        try:
+            op.result()
+            return True
+        except kvlink.Error as e:
+            log.error("%s", e)
+            if e.errc in ("peer_closed", "instance_changed", "unknown_peer"):
+                with self._lock:  # reconnect next time
+                    self._peers = {k: p for k, p in self._peers.items() if p.connected}
+            return False
+
+    def _sync(self, target, op, local, remote, lengths, notify=None) -> int:
+        op_ = self._submit(target, op, local, remote, lengths, notify, "transfer")
+        return 0 if op_ is not None and self._outcome(op_) else -1
+
+    def _async(self, target, op, local, remote, lengths, failed: int) -> int:
+        op_ = self._submit(target, op, local, remote, lengths, None, "async transfer")
+        if op_ is None:
+            return failed
+        bid = next(self._batch_ids)
+        with self._lock:
+            self._batches[bid] = op_
+        return bid
+
+
+def _main() -> int:
+    """python3 -m kvlink.mooncake: says what `import mooncake.engine` gives here."""
+    try:
+        import mooncake.engine as m
+    except ImportError as e:
+        print(f"import mooncake.engine: {e}\n(no Mooncake, and the kvlink alias is not "
+              "installed: see kvlink's README, \"Python\")")
+        return 1
+    origin = getattr(sys.modules.get("mooncake"), "__kvlink_alias__", False)
+    print(f"mooncake.engine -> {'kvlink ' + kvlink.__version__ if origin else 'Mooncake'} "
+          f"({getattr(m, '__file__', None) or m.TransferEngine.__module__})")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(_main())

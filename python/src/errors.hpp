@@ -1,0 +1,123 @@
+// Errors of the Python binding: every failure reaches Python as one exception
+// type, kvlink.Error, carrying the std::error_code's name ("not_registered",
+// "EADDRINUSE"), value, category and message, and what was being done.
+//
+//   raise_error(kvlink::errc::not_registered, "transfer entry 3");  // needs the GIL
+//
+// The data path keeps std::error_code (style rule 3); the exception is made
+// only at this edge, with the GIL held.
+#pragma once
+
+#include <kvlink/core/error.hpp>
+
+#include <cstddef>
+#include <cstring>
+#include <iterator>
+#include <string>
+#include <string_view>
+#include <system_error>
+
+#include <fmt/format.h>
+#include <pybind11/pybind11.h>
+
+namespace kvlink::python {
+
+namespace py = pybind11;
+
+/// The name of a kvlink::errc value as written in the source, by value.
+inline std::string_view errc_name(errc e) noexcept {
+  // By value, not by enumerator, so that this compiles against releases
+  // with fewer codes; a new code must get its name here (errc_last moves).
+  static constexpr std::string_view names[] = {
+      "",
+      "not_registered",
+      "out_of_bounds",
+      "access_denied",
+      "overlapping_registration",
+      "invalid_argument",
+      "peer_unreachable",
+      "peer_closed",
+      "protocol_version_mismatch",
+      "malformed_message",
+      "deadline_exceeded",
+      "cancelled",
+      "no_device",
+      "queue_full",
+      "unknown_peer",
+      "message_too_large",
+      "transport_unavailable",
+      "instance_changed",
+      "local_memory_fault",
+      "checksum_mismatch",
+      "authentication_failed",
+      "limit_exceeded",
+      "metadata_unavailable",
+      "name_not_found",
+  };
+  static_assert(static_cast<std::size_t>(errc_last) < std::size(names),
+                "name the new kvlink::errc values in errc_name()");
+  const auto i = static_cast<std::size_t>(e);
+  return i > 0 && i < std::size(names) ? names[i] : std::string_view("unknown");
+}
+
+/// Whether `ec` holds an errno value (Asio's socket errors have a category of
+/// their own, "asio.system").
+inline bool is_errno(const std::error_code& ec) noexcept {
+  const std::string_view c = ec.category().name();
+  return c == "system" || c == "generic" || c == "asio.system";
+}
+
+/// kvlink's names for its own codes, errno's symbol ("ECONNREFUSED") for
+/// errno values, "<category>:<value>" otherwise (verbs completion codes).
+inline std::string error_name(const std::error_code& ec) {
+  if (ec.category() == error_category())
+    return std::string(errc_name(static_cast<errc>(ec.value())));
+  if (is_errno(ec)) {
+    if (const char* n = ::strerrorname_np(ec.value())) return n;
+  }
+  return fmt::format("{}:{}", ec.category().name(), ec.value());
+}
+
+/// kvlink.Error, made once when the module is imported (module.cpp).
+inline PyObject*& error_type() noexcept {
+  static PyObject* type = nullptr;  // owned by the module for the life of the interpreter
+  return type;
+}
+
+/// Raises kvlink.Error for `ec` with `text` as its str(); `context` says what
+/// was being done. Needs the GIL.
+[[noreturn]] inline void raise_error_text(const std::error_code& ec, std::string_view context,
+                                          const std::string& text) {
+  const std::string name = error_name(ec);
+  py::object err = py::reinterpret_borrow<py::object>(error_type())(text);
+  err.attr("errc") = name;
+  err.attr("value") = ec.value();
+  err.attr("category") = is_errno(ec) ? std::string("system") : std::string(ec.category().name());
+  err.attr("message") = ec.message();
+  err.attr("context") = std::string(context);
+  PyErr_SetObject(error_type(), err.ptr());
+  throw py::error_already_set();
+}
+
+/// Raises kvlink.Error for `ec`: "<context>: <message> [<name>]". Needs the GIL.
+[[noreturn]] inline void raise_error(const std::error_code& ec, std::string_view context) {
+  const std::string name = error_name(ec);
+  raise_error_text(ec, context,
+                   context.empty() ? fmt::format("{} [{}]", ec.message(), name)
+                                   : fmt::format("{}: {} [{}]", context, ec.message(), name));
+}
+
+/// Runs `f` and turns a std::system_error (the set-up calls of the engine
+/// throw them, with the reason in what()) into kvlink.Error.
+template <class F>
+auto translate(std::string_view context, F&& f) -> decltype(f()) {
+  try {
+    return f();
+  } catch (const std::system_error& e) {
+    // what() already ends with the code's message.
+    raise_error_text(e.code(), context,
+                     fmt::format("{}: {} [{}]", context, e.what(), error_name(e.code())));
+  }
+}
+
+}  // namespace kvlink::python

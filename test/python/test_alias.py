@@ -1,0 +1,78 @@
+"""The opt-in alias: `import mooncake.engine` gives kvlink where no Mooncake
+is installed, never shadows one that is, and can be turned off or forced.
+Each case runs a fresh interpreter whose site directory holds the alias
+(as after `cmake --install --component mooncake_alias` or the pip install
+of python/mooncake-alias)."""
+
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import kvlink
+
+SITE = Path(kvlink.__file__).resolve().parent.parent  # where the .pth is, in the build tree
+
+
+def run(code: str, extra_path: str = "", **env: str) -> subprocess.CompletedProcess:
+    # site.addsitedir processes the .pth as an installed site directory would.
+    prog = f"import site; site.addsitedir({str(SITE)!r})\n" + textwrap.dedent(code)
+    e = dict(os.environ, **env)
+    e["PYTHONPATH"] = os.pathsep.join(p for p in (extra_path, str(SITE)) if p)
+    return subprocess.run([sys.executable, "-c", prog], env=e, capture_output=True, text=True,
+                          timeout=60)
+
+
+def test_alias_gives_kvlink():
+    r = run("""
+        import mooncake.engine as m
+        from mooncake.engine import TransferEngine, TransferOpcode, TransferNotify
+        import mooncake
+        assert mooncake.__kvlink_alias__
+        e = m.TransferEngine()
+        assert e.initialize("127.0.0.1", "P2PHANDSHAKE", "tcp", "") == 0
+        assert e.get_rpc_port() > 0
+        print("ok", TransferOpcode.Write, m.TransferEngine.__module__)
+    """)
+    assert r.returncode == 0, r.stderr
+    assert "ok" in r.stdout and "kvlink.mooncake" in r.stdout
+
+
+def test_a_real_mooncake_wins(tmp_path):
+    fake = tmp_path / "mooncake"
+    fake.mkdir()
+    (fake / "__init__.py").write_text("")
+    (fake / "engine.py").write_text("class TransferEngine:\n    origin = 'mooncake'\n")
+    r = run("""
+        import mooncake.engine as m
+        print(m.TransferEngine.origin)
+    """, extra_path=str(tmp_path))
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.strip() == "mooncake" and r.stderr == ""
+    forced = run("""
+        import mooncake.engine as m
+        print(m.TransferEngine.__module__)
+    """, extra_path=str(tmp_path), KVLINK_MOONCAKE_ALIAS="force")
+    assert forced.returncode == 0, forced.stderr
+    assert forced.stdout.strip() == "kvlink.mooncake"
+    assert "KVLINK_MOONCAKE_ALIAS=force" in forced.stderr
+
+
+def test_alias_off():
+    r = run("import mooncake.engine", KVLINK_MOONCAKE_ALIAS="0")
+    assert r.returncode != 0 and "No module named 'mooncake'" in r.stderr
+
+
+def test_startup_does_not_import_kvlink():
+    r = run("""
+        import sys
+        assert "_kvlink_mooncake_alias" in sys.modules
+        assert "kvlink" not in sys.modules and "kvlink._kvlink" not in sys.modules
+    """)
+    assert r.returncode == 0, r.stderr
+
+
+def test_which_one():
+    r = run("import runpy; runpy.run_module('kvlink.mooncake', run_name='__main__')")
+    assert "mooncake.engine -> kvlink" in r.stdout, r.stdout + r.stderr
