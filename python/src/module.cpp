@@ -78,24 +78,34 @@ struct segment_view {
   std::string access;
 };
 
-// Waits for `op` with the GIL released. Wakes every 200 ms so that Python can
-// run its signal handlers: one that raises (Ctrl-C) cancels the operation,
-// waits for it to finish (nothing touches the caller's memory after that)
-// and lets the exception through. True when done within `timeout` seconds.
+// How long a blocking wait may sleep before it wakes up again: at most
+// 200 ms (so that Python can run its signal handlers), at most what is left
+// of `timeout` seconds since `start`; nullopt once that has passed.
+std::optional<std::chrono::nanoseconds> next_step(std::chrono::steady_clock::time_point start,
+                                                  std::optional<double> timeout) {
+  std::chrono::nanoseconds step = 200ms;
+  if (timeout) {
+    const auto left =
+        std::chrono::duration<double>(*timeout) - (std::chrono::steady_clock::now() - start);
+    if (left.count() <= 0) return std::nullopt;
+    step = std::min(step, std::chrono::duration_cast<std::chrono::nanoseconds>(left));
+  }
+  return step;
+}
+
+// Waits for `op` with the GIL released, waking up as next_step() says: a
+// signal handler that raises (Ctrl-C) cancels the operation, waits for it to
+// finish (nothing touches the caller's memory after that) and lets the
+// exception through. True when done within `timeout` seconds.
 bool wait_op(operation& op, std::optional<double> timeout) {
   const auto start = std::chrono::steady_clock::now();
   for (;;) {
-    std::chrono::nanoseconds step = 200ms;
-    if (timeout) {
-      const auto left =
-          std::chrono::duration<double>(*timeout) - (std::chrono::steady_clock::now() - start);
-      if (left.count() <= 0) return op.done();
-      step = std::min(step, std::chrono::duration_cast<std::chrono::nanoseconds>(left));
-    }
+    const auto step = next_step(start, timeout);
+    if (!step) return op.done();
     bool done = false;
     {
       py::gil_scoped_release nogil;
-      done = op.wait_for(step);
+      done = op.wait_for(*step);
     }
     if (done) return true;
     if (PyErr_CheckSignals() != 0) {
@@ -302,18 +312,13 @@ class py_engine {
     host& hh = h();
     const auto start = std::chrono::steady_clock::now();
     for (;;) {
-      std::chrono::nanoseconds step = 200ms;
-      if (timeout) {
-        const auto left =
-            std::chrono::duration<double>(*timeout) - (std::chrono::steady_clock::now() - start);
-        if (left.count() <= 0) return py::none();
-        step = std::min(step, std::chrono::duration_cast<std::chrono::nanoseconds>(left));
-      }
+      const auto step = next_step(start, timeout);
+      if (!step) return py::none();
       std::optional<notification> n;
       bool closed = false;
       {
         py::gil_scoped_release nogil;
-        n = hh.receive(step, &closed);
+        n = hh.receive(*step, &closed);
       }
       if (n) return py::cast(std::move(*n));
       if (closed) raise_error(errc::cancelled, "receive notification: the engine closed");
