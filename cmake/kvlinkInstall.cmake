@@ -4,7 +4,8 @@
 #   include/kvlink/**                         the headers
 #   <libdir>/cmake/kvlink/kvlinkConfig.cmake  find_package(kvlink CONFIG)
 #     kvlinkConfigVersion.cmake, kvlinkTargets.cmake (kvlink::kvlink),
-#     kvlinkRdmaTargets.cmake (kvlink::rdma, when built), and
+#     kvlinkRdmaTargets.cmake (kvlink::rdma, when built),
+#     kvlinkTlsTargets.cmake (kvlink::tls, when built), and
 #     kvlinkDependencies.cmake, which kvlinkConfig.cmake includes so a consumer
 #     gets asio::asio and the ibverbs target made exactly as the build made them.
 #   <datadir>/pkgconfig/kvlink.pc             for non-CMake builds
@@ -38,6 +39,15 @@ if(TARGET kvlink_rdma)
   export(EXPORT kvlinkRdmaTargets NAMESPACE kvlink::
          FILE "${PROJECT_BINARY_DIR}/kvlinkRdmaTargets.cmake")
   install(EXPORT kvlinkRdmaTargets NAMESPACE kvlink:: DESTINATION "${KVLINK_INSTALL_CMAKEDIR}")
+endif()
+# kvlink::tls likewise: loaded only where OpenSSL is found.
+set(KVLINK_EXPORTS_TLS OFF)
+if(TARGET kvlink_tls)
+  set(KVLINK_EXPORTS_TLS ON)
+  install(TARGETS kvlink_tls EXPORT kvlinkTlsTargets)
+  export(EXPORT kvlinkTlsTargets NAMESPACE kvlink::
+         FILE "${PROJECT_BINARY_DIR}/kvlinkTlsTargets.cmake")
+  install(EXPORT kvlinkTlsTargets NAMESPACE kvlink:: DESTINATION "${KVLINK_INSTALL_CMAKEDIR}")
 endif()
 
 # While the major version is 0, a minor release may break the API (0.1 -> 0.2),

@@ -71,6 +71,7 @@
 #include <kvlink/engine/peer.hpp>
 #include <kvlink/engine/transfer.hpp>
 #include <kvlink/engine/transports.hpp>
+#include <kvlink/metadata/backend.hpp>
 #include <kvlink/tcp/transport.hpp>
 
 #include <memory>
@@ -130,18 +131,21 @@ class engine {
   executor_type get_executor() const noexcept { return ex_; }
 
   /// Closes the engine on its strand: peers fail with errc::cancelled,
-  /// pending receives complete with errc::cancelled, the listener closes.
-  /// Signature: void(std::error_code); completes once that has run, when
-  /// registered memory may be freed. Idempotent; destruction then only
-  /// releases the object.
+  /// pending receives complete with errc::cancelled, the listener closes,
+  /// and a metadata store is told that this engine is gone (bounded by a
+  /// couple of seconds when it cannot be reached). Signature:
+  /// void(std::error_code); completes once that has run, when registered
+  /// memory may be freed. Idempotent; destruction then only releases the
+  /// object.
   template <class Token = asio::default_completion_token_t<executor_type>>
   auto async_close(Token&& token = Token{}) {
     return asio::async_initiate<Token, void(std::error_code)>(
         [this](auto handler) {
-          detail::erased_handler<void(std::error_code)> h(std::move(handler), ex_);
-          asio::post(core_->strand(), [c = core_, h = std::move(h)]() mutable {
+          auto h = std::make_shared<detail::erased_handler<void(std::error_code)>>(
+              std::move(handler), ex_);
+          asio::post(core_->strand(), [c = core_, h]() mutable {
             c->shutdown();
-            h.complete({});
+            c->when_withdrawn([h] { h->complete({}); });
           });
         },
         token);
@@ -156,6 +160,8 @@ class engine {
   const std::string& listen_address() const noexcept { return core_->listen_address(); }
   /// This run's instance id (a restarted engine gets a new one).
   instance_id instance() const noexcept { return core_->self(); }
+  /// What peers call it: config.name, or its advertised address.
+  const std::string& name() const noexcept { return core_->name(); }
   const config& get_config() const noexcept { return core_->cfg(); }
 
   /// Which data transports this engine offers peers, in order of preference
@@ -215,19 +221,45 @@ class engine {
   }
 
   /// Connects to a peer's engine by name (with the p2p metadata backend,
-  /// the name is its "host:port"), performs the handshake and picks the
-  /// transport (peer::transport(), peer::transport_reason()). Signature:
+  /// the name is its "host:port"; with a store, its config.name, e.g.
+  /// "decode-3"), performs the handshake and picks the transport
+  /// (peer::transport(), peer::transport_reason()). Signature:
   /// void(std::error_code, peer). Errors: invalid_argument (not a name the
-  /// backend knows), peer_unreachable, protocol_version_mismatch,
-  /// malformed_message, instance_changed, transport_unavailable (no
-  /// transport of ours reaches the peer, or only TCP and falling back to it
-  /// is forbidden). Connecting again to a live peer returns the same handle.
+  /// backend takes), name_not_found (no engine of that name in the store),
+  /// metadata_unavailable (the store cannot be reached), peer_unreachable
+  /// (also: the engine at the stored address is not that name),
+  /// protocol_version_mismatch, malformed_message, instance_changed,
+  /// transport_unavailable (no transport of ours reaches the peer, or only
+  /// TCP and falling back to it is forbidden). Connecting again to a live
+  /// peer returns the same handle. With a store, a peer's later segments
+  /// arrive through its watch too, a peer that restarts (a new instance
+  /// under its name) fails with instance_changed, and one whose entry goes
+  /// away (withdrawn, or its lease expired) with peer_unreachable; connect
+  /// again by name to reach the new instance.
   template <class Token = asio::default_completion_token_t<executor_type>>
   auto async_connect(std::string name, Token&& token = Token{}) {
     return asio::async_initiate<Token, void(std::error_code, peer)>(
         [this](auto handler, std::string n) {
           core_->connect(std::move(n), detail::erased_handler<void(std::error_code, peer)>(
                                            std::move(handler), ex_));
+        },
+        token, std::move(name));
+  }
+
+  /// Where async_connect(name) would go, without connecting: the peer's
+  /// address and, from a metadata store, its descriptor as published (not
+  /// authenticated: the handshake is what authenticates a peer). Signature:
+  /// void(std::error_code, resolved_peer). Errors: invalid_argument,
+  /// name_not_found, metadata_unavailable, cancelled (the engine closed).
+  template <class Token = asio::default_completion_token_t<executor_type>>
+  auto async_resolve(std::string name, Token&& token = Token{}) {
+    return asio::async_initiate<Token, void(std::error_code, resolved_peer)>(
+        [this](auto handler, std::string n) {
+          auto h = std::make_shared<detail::erased_handler<void(std::error_code, resolved_peer)>>(
+              std::move(handler), ex_);
+          core_->resolve(std::move(n), [h](std::error_code ec, resolved_peer rp) {
+            h->complete(ec, std::move(rp));
+          });
         },
         token, std::move(name));
   }
@@ -359,6 +391,10 @@ class basic_engine : public engine {
   template <class Token = token_t<executor_type>>
   auto async_connect(std::string name, Token&& token = token_t<executor_type>{}) {
     return engine::async_connect(std::move(name), std::forward<Token>(token));
+  }
+  template <class Token = token_t<executor_type>>
+  auto async_resolve(std::string name, Token&& token = token_t<executor_type>{}) {
+    return engine::async_resolve(std::move(name), std::forward<Token>(token));
   }
   template <class Token = token_t<executor_type>>
   auto async_submit_transfer(std::span<const transfer_request> requests, transfer_options options,

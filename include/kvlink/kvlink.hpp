@@ -1,5 +1,6 @@
 // kvlink: the umbrella header. Everything but the RDMA layer (kvlink/rdma.hpp
-// and kvlink/rdma/, which need libibverbs) and CUDA support.
+// and kvlink/rdma/, which need libibverbs), TLS to a metadata store
+// (kvlink/metadata/tls.hpp, which needs OpenSSL) and CUDA support.
 #pragma once
 
 #include <kvlink/control/channel.hpp>
@@ -17,6 +18,9 @@
 #include <kvlink/kv/block_transfer.hpp>
 #include <kvlink/kv/layout.hpp>
 #include <kvlink/metadata/backend.hpp>
+#include <kvlink/metadata/config.hpp>
+#include <kvlink/metadata/etcd.hpp>
+#include <kvlink/metadata/http.hpp>
 #include <kvlink/metadata/p2p.hpp>
 #include <kvlink/planner/slice_planner.hpp>
 #include <kvlink/tcp/frame.hpp>

@@ -6,11 +6,20 @@ names, positional order, defaults and integer results, so that they run on
 kvlink unchanged (see the README, "Python", for how `import mooncake.engine`
 finds it). What differs, and why:
 
-- Metadata: only "P2PHANDSHAKE" (as vLLM and SGLang use it). A session is
+- Metadata: "P2PHANDSHAKE" (as vLLM and SGLang use it): a session is
   "host:port" with the port from the peer's get_rpc_port(); the engine listens
   on `local_hostname`'s address on a port of its own choosing (with
-  MC_LEGACY_RPC_PORT_BINDING, on the port in local_hostname). A metadata
-  server (etcd://, http://, redis://) gives -1: kvlink has none.
+  MC_LEGACY_RPC_PORT_BINDING, on the port in local_hostname). With a
+  metadata server, "etcd://host:2379[,host:2379...]", a bare "host:2379"
+  (etcd, as in Mooncake; initialize_ext's metadata_type "http" makes it
+  "http://host:port/metadata") or "http://host:port/metadata" (Mooncake's HTTP
+  metadata server), the engine publishes itself under the name
+  `local_hostname`, listens on its address (on its port when it has one, on
+  one of its own choosing otherwise), and a session is a peer's
+  local_hostname, resolved through the store (kvlink's `metadata` and `name`
+  settings; KVLINK_METADATA_USER etc. for etcd's auth and TLS). "redis://"
+  gives -1: kvlink has no redis backend. A store that cannot be reached gives
+  -1 with its URL.
 - Peer buffer addresses are the peer's virtual addresses inside its
   registered buffers, as in Mooncake: kvlink maps each to (segment, offset)
   through the segments the peer advertises in the handshake.
@@ -98,6 +107,24 @@ def _session(name: str) -> str:
     return name
 
 
+def _metadata_url(server: str, kind: str) -> Optional[str]:
+    """kvlink's `metadata` setting for Mooncake's (metadata_server,
+    metadata_type): "" for the handshake, None when kvlink has no such store."""
+    server, kind = server.strip(), kind.strip().lower()
+    if server == P2PHANDSHAKE or kind in ("p2p", P2PHANDSHAKE.lower()):
+        return "" if server == P2PHANDSHAKE else None
+    scheme, sep, _ = server.partition("://")
+    if sep:
+        return server if scheme.lower() in ("etcd", "http", "https") else None
+    if not server:
+        return None
+    if kind in ("", "etcd"):
+        return f"etcd://{server}"
+    if kind == "http":
+        return f"http://{server}" if "/" in server else f"http://{server}/metadata"
+    return None
+
+
 def _listen_host(local_hostname: str) -> tuple:
     """(host, port) of Mooncake's local_hostname ("10.0.0.1", "10.0.0.1:12345", "[::1]:0", "::1")."""
     text = local_hostname.strip()
@@ -129,21 +156,24 @@ class TransferEngine:
         self._batch_ids = itertools.count(1)
         self._managed: Dict[int, int] = {}  # address -> length
         self._connect_limit = 6.0  # seconds; from the engine's connect_timeout
+        self._by_name = False  # peers are names in a metadata store, not host:port
 
     # ------------------------------------------------------------ set-up
 
     def initialize(self, local_hostname, metadata_server, protocol, device_name, /) -> int:
-        return self.initialize_ext(local_hostname, metadata_server, protocol, device_name, "p2p")
+        return self.initialize_ext(local_hostname, metadata_server, protocol, device_name, "")
 
     def initialize_ext(self, local_hostname, metadata_server, protocol, device_name,
                        metadata_type, /) -> int:
         if self._engine is not None:
             log.error("initialize: this TransferEngine is already initialized")
             return -1
-        if metadata_server != P2PHANDSHAKE:
-            log.error("initialize: metadata server %r (%s): kvlink has no metadata server; use "
-                      "\"P2PHANDSHAKE\" (peers are named host:port and exchange their buffers in "
-                      "the handshake)", metadata_server, metadata_type)
+        store = _metadata_url(str(metadata_server or ""), str(metadata_type or ""))
+        if store is None:
+            log.error("initialize: metadata server %r (%s): kvlink's stores are etcd "
+                      "(\"etcd://host:2379\" or \"host:2379\") and Mooncake's HTTP metadata server "
+                      "(\"http://host:port/metadata\"); or use \"P2PHANDSHAKE\"", metadata_server,
+                      metadata_type)
             return -1
         proto = (protocol or "tcp").lower()
         settings: Dict[str, Any] = {}
@@ -162,7 +192,10 @@ class TransferEngine:
                       protocol)
             return -1
         host, port = _listen_host(local_hostname or "127.0.0.1")
-        if not _env_true("MC_LEGACY_RPC_PORT_BINDING"):
+        if store:
+            settings["metadata"] = store
+            settings["name"] = str(local_hostname)
+        elif not _env_true("MC_LEGACY_RPC_PORT_BINDING"):
             port = 0  # P2PHANDSHAKE: a port of the engine's own choosing
         settings["listen"] = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
         try:
@@ -174,6 +207,7 @@ class TransferEngine:
         offer = self._engine.transports
         if proto == "rdma" and not offer.startswith("rdma"):
             log.warning("protocol 'rdma': falling back to TCP: %s", offer)
+        self._by_name = bool(store)
         return 0
 
     def get_rpc_port(self, /) -> int:
@@ -410,7 +444,7 @@ class TransferEngine:
         eng = self._ready(what)
         if eng is None:
             return None
-        key = _session(str(name))
+        key = str(name) if self._by_name else _session(str(name))
         with self._lock:
             peer = self._peers.get(key)
         if peer is not None and peer.connected and not fresh:

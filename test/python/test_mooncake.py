@@ -48,10 +48,16 @@ def test_initialize_and_rpc_port(local):
 
 def test_initialize_refusals(caplog):
     with caplog.at_level(logging.ERROR, "kvlink.mooncake"):
-        assert TransferEngine().initialize("127.0.0.1", "etcd://127.0.0.1:2379", "tcp", "") == -1
+        assert TransferEngine().initialize("127.0.0.1", "redis://127.0.0.1:6379", "tcp", "") == -1
+        assert "redis" in caplog.text and "metadata server" in caplog.text
+        assert TransferEngine().initialize_ext("127.0.0.1", "127.0.0.1:6379", "tcp", "",
+                                               "redis") == -1
         assert TransferEngine().initialize("127.0.0.1", "P2PHANDSHAKE", "nvlink", "") == -1
-        assert TransferEngine().initialize_ext("127.0.0.1", "127.0.0.1:2379", "tcp", "", "etcd") == -1
-    assert "metadata server" in caplog.text and "nvlink" in caplog.text
+        assert "nvlink" in caplog.text
+        # A store nobody runs: -1 naming its URL, not a hang.
+        caplog.clear()
+        assert TransferEngine().initialize_ext("127.0.0.1", "127.0.0.1:1", "tcp", "", "etcd") == -1
+        assert "etcd://127.0.0.1:1" in caplog.text
     assert TransferEngine().get_rpc_port() == -1  # before initialize
     assert TransferEngine().transfer_sync_write("127.0.0.1:1", 1, 1, 1) == -1
 

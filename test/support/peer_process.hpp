@@ -95,6 +95,12 @@ class peer_process {
   peer_process& operator=(const peer_process&) = delete;
 
   const std::string& address() const noexcept { return address_; }
+  pid_t pid() const noexcept { return pid_; }
+
+  /// Sends `sig` (SIGSTOP / SIGCONT: a hung peer) while it runs.
+  void signal(int sig) {
+    if (pid_ > 0) ::kill(pid_, sig);
+  }
 
   /// Sends one command line and returns the one-line answer ("" on EOF or
   /// after the generous timeout).

@@ -19,7 +19,10 @@
 //   PUSH <address> <length>         ->  STARTED
 //       connects to the engine at <address> and WRITEs [0, length) of the
 //       segment into its first segment, again and again, until this process
-//       ends (a test kills it mid-transfer).
+//       ends (a test kills it mid-transfer);
+//   REG <bytes> <seed>              ->  OK <segment id> | ERR <why>
+//       registers one more segment of <bytes>, filled with the pattern of
+//       <seed> (at positions from 0), granted rw.
 //
 // --config: settings as JSON (kvlink::config_from_json) on top of a listen
 // address of 127.0.0.1:0; --nofile: the process's file descriptor limit.
@@ -43,6 +46,7 @@
 #include <fstream>
 #include <future>
 #include <iostream>
+#include <list>
 #include <optional>
 #include <sstream>
 #include <string>
@@ -106,7 +110,7 @@ void push_forever(kvlink::tcp_engine& engine, kvlink::peer p, std::byte* mem, st
 }
 
 std::string answer(const std::string& line, std::vector<std::byte>& mem,
-                   kvlink::tcp_engine& engine) {
+                   std::list<std::vector<std::byte>>& more, kvlink::tcp_engine& engine) {
   std::istringstream in(line);
   std::string verb;
   in >> verb;
@@ -134,6 +138,20 @@ std::string answer(const std::string& line, std::vector<std::byte>& mem,
   if (verb == "RSS") {
     const auto kib = kvlink_test::rss_kib();
     return kib != 0 ? std::to_string(kib) : std::string("ERR no VmRSS");
+  }
+  if (verb == "REG") {
+    std::uint64_t bytes = 0, seed = 0;
+    if (!(in >> bytes >> seed) || bytes == 0) return "ERR REG needs <bytes> <seed>";
+    auto& buf = more.emplace_back(bytes);
+    fill_pattern(buf.data(), buf.size(), seed, 0);
+    std::error_code ec;
+    const auto id =
+        engine.register_segment(buf.data(), buf.size(), kvlink::access::remote_read_write, ec);
+    if (ec) {
+      more.pop_back();
+      return "ERR " + ec.message();
+    }
+    return "OK " + std::to_string(id.value());
   }
   if (verb == "FILL") {
     std::uint64_t seed = 0;
@@ -190,6 +208,7 @@ int main(int argc, char** argv) {
   try {
     std::vector<std::byte> mem(size);
     fill_pattern(mem.data(), mem.size(), seed, 0);
+    std::list<std::vector<std::byte>> more;  // segments REG adds; outlive the engine
 
     asio::io_context io;
     auto work = asio::make_work_guard(io);
@@ -203,13 +222,17 @@ int main(int argc, char** argv) {
     while (std::getline(std::cin, line)) {
       std::promise<std::string> reply;
       auto fut = reply.get_future();
-      asio::post(io, [&] { reply.set_value(answer(line, mem, *engine)); });
+      asio::post(io, [&] { reply.set_value(answer(line, mem, more, *engine)); });
       std::cout << fut.get() << std::endl;
       if (!std::cout) break;  // nobody reads our replies any more
     }
 
-    // The engine must not be destroyed while its handlers run: stop the
-    // io_context first, then destroy it from this thread.
+    // Close it while the io_context runs (a metadata store is told it is
+    // gone), then stop the io_context and destroy it from this thread: it
+    // must not be destroyed while its handlers run.
+    std::promise<void> closed;
+    engine->async_close([&closed](std::error_code) { closed.set_value(); });
+    closed.get_future().wait();
     work.reset();
     io.stop();
     runner.join();

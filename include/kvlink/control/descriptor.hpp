@@ -3,12 +3,16 @@
 // and published by metadata backends:
 //
 //   {"protocol": 2, "instance": "<32 hex>", "address": "10.0.0.1:17001",
+//    "name": "decode-3", "seq": 7,
 //    "segments": [{"id": 1, "base": 140..., "length": 1073741824, "access": "rw",
 //                  "keys": {"rdma": [4660, 4661]}}],
 //    "transports": {"tcp": {...}, "rdma": {...}}}
 //
 // Each transport writes its own entry under "transports" and its own key
-// per segment under "keys"; this layer never looks inside either.
+// per segment under "keys"; this layer never looks inside either. "name"
+// (what peers call the engine in a metadata store) and "seq" (counts the
+// engine's publications, so that a late copy never replaces a newer one)
+// are optional: a descriptor without them reads as name "" and seq 0.
 #pragma once
 
 #include <kvlink/control/message.hpp>
@@ -18,6 +22,7 @@
 #include <kvlink/core/types.hpp>
 #include <kvlink/version.hpp>
 
+#include <cstdint>
 #include <string>
 #include <system_error>
 #include <vector>
@@ -31,6 +36,8 @@ struct peer_descriptor {
   unsigned protocol = protocol_version;
   instance_id instance{};
   std::string address;                                   ///< host:port of its listener
+  std::string name;                                      ///< config.name; "" = not said
+  std::uint64_t seq = 0;                                 ///< publication count; 0 = unordered
   std::vector<remote_segment_info> segments;             ///< ordered by id
   nlohmann::json transports = nlohmann::json::object();  ///< transport name -> its entry
 };
@@ -77,11 +84,14 @@ inline std::error_code segments_from_json(const nlohmann::json& arr,
 }
 
 inline nlohmann::json to_json(const peer_descriptor& d) {
-  return {{"protocol", d.protocol},
-          {"instance", to_string(d.instance)},
-          {"address", d.address},
-          {"segments", segments_to_json(d.segments)},
-          {"transports", d.transports}};
+  nlohmann::json j{{"protocol", d.protocol},
+                   {"instance", to_string(d.instance)},
+                   {"address", d.address},
+                   {"segments", segments_to_json(d.segments)},
+                   {"transports", d.transports}};
+  if (!d.name.empty()) j["name"] = d.name;
+  if (d.seq != 0) j["seq"] = d.seq;
+  return j;
 }
 
 /// Parses a descriptor. The protocol field is read first: a descriptor of
@@ -97,6 +107,10 @@ inline std::error_code from_json(const nlohmann::json& j, peer_descriptor& d) {
   const auto parsed = parse_instance_id(inst);
   if (!parsed || !parsed->valid()) return errc::malformed_message;
   d.instance = *parsed;
+  d.name.clear();
+  d.seq = 0;
+  if (j.contains("name") && !get_field(j, "name", d.name)) return errc::malformed_message;
+  if (j.contains("seq") && !get_field(j, "seq", d.seq)) return errc::malformed_message;
   const auto segs = j.find("segments");
   if (segs == j.end()) return errc::malformed_message;
   if (auto ec = segments_from_json(*segs, d.segments)) return ec;
@@ -107,9 +121,13 @@ inline std::error_code from_json(const nlohmann::json& j, peer_descriptor& d) {
   return {};
 }
 
-/// A descriptor update: the sender's segment list as it is now.
-inline nlohmann::json make_segments(const std::vector<remote_segment_info>& segs) {
-  return {{"type", "segments"}, {"segments", segments_to_json(segs)}};
+/// A descriptor update: the sender's segment list as it is now, and the
+/// seq of the descriptor it belongs to (0: none; left out).
+inline nlohmann::json make_segments(const std::vector<remote_segment_info>& segs,
+                                    std::uint64_t seq = 0) {
+  nlohmann::json j{{"type", "segments"}, {"segments", segments_to_json(segs)}};
+  if (seq != 0) j["seq"] = seq;
+  return j;
 }
 
 }  // namespace kvlink::control

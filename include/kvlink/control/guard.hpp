@@ -98,6 +98,13 @@ class peer_guard {
     return mac(key, "kvlink/auth/lane", nonce{}, server, std::to_string(lane));
   }
 
+  /// A MAC of `data` under the secret, domain-separated by `label`: what an
+  /// engine publishes in a metadata store carries one, so that peers that
+  /// share the secret can tell it from a forgery (metadata/store.hpp).
+  digest sign(std::string_view label, std::string_view data) const {
+    return mac(secret_, label, nonce{}, nonce{}, data);
+  }
+
   /// Constant-time comparison.
   static bool same(const digest& a, const digest& b) noexcept {
     return sodium_memcmp(a.data(), b.data(), a.size()) == 0;

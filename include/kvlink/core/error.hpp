@@ -36,11 +36,13 @@ enum class errc : int {
   checksum_mismatch,          ///< a payload arrived with a checksum that does not match
   authentication_failed,      ///< the peer did not prove it knows the shared secret
   limit_exceeded,             ///< a resource limit was reached (connections, buffers)
+  metadata_unavailable,       ///< the metadata store (etcd, HTTP) cannot be reached
+  name_not_found,             ///< no engine of that name is published in the metadata store
 };
 
 /// The largest errc value: status fields and error codes that peers send are
 /// checked against it.
-inline constexpr errc errc_last = errc::limit_exceeded;
+inline constexpr errc errc_last = errc::name_not_found;
 
 namespace detail {
 
@@ -101,10 +103,18 @@ class error_category_impl final : public std::error_category {
                "and was not acknowledged";
       case errc::authentication_failed:
         return "authentication failed: both engines must be given the same shared secret "
-               "(config.auth_secret, auth_secret_file or KVLINK_AUTH_SECRET)";
+               "(config.auth_secret, auth_secret_file or KVLINK_AUTH_SECRET); or the metadata "
+               "store refused this engine's metadata_user/password or metadata_token";
       case errc::limit_exceeded:
         return "a resource limit was reached (connections, buffered control bytes or "
                "notifications): see the config settings max_* and the peer's log";
+      case errc::metadata_unavailable:
+        return "the metadata store (config.metadata) cannot be reached: lookups by name fail "
+               "until it is back, connected peers keep working";
+      case errc::name_not_found:
+        return "no engine of that name is published in the metadata store: check the peer's "
+               "config.name, that it has started, and that both engines use the same store and "
+               "metadata_prefix";
     }
     return "unknown kvlink error";
   }

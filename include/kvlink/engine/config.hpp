@@ -16,6 +16,7 @@
 
 #include <kvlink/core/address.hpp>
 #include <kvlink/core/settings.hpp>
+#include <kvlink/metadata/config.hpp>
 #include <kvlink/rdma/config.hpp>
 #include <kvlink/tcp/config.hpp>
 
@@ -42,6 +43,9 @@ struct config {
   /// port); empty = the listen address, or for a wildcard listen address
   /// (0.0.0.0, [::]) the first up non-loopback interface's.
   std::string advertise{};
+  /// What peers call this engine in a metadata store ("decode-3"); empty =
+  /// its advertised host:port.
+  std::string name{};
   /// Data transports in order of preference, e.g. "rdma,tcp"; empty = every
   /// transport this program has, in the library's order.
   std::string transports{};
@@ -88,6 +92,7 @@ struct config {
 
   tcp_config tcp{};
   rdma_config rdma{};
+  metadata_config metadata{};
 
   friend bool operator==(const config&, const config&) = default;
 };
@@ -102,6 +107,9 @@ inline constexpr std::array engine_settings{
     setting_row<config>{"advertise", "KVLINK_ADVERTISE", setting_kind::text, &config::advertise,
                         "host:port peers are told to reach this engine at; empty = the listen "
                         "address, or for 0.0.0.0/[::] the first non-loopback interface's"},
+    setting_row<config>{"name", "KVLINK_NAME", setting_kind::text, &config::name,
+                        "what peers call this engine in a metadata store (async_connect(name)); "
+                        "empty = its advertised host:port"},
     setting_row<config>{"transports", "KVLINK_TRANSPORTS", setting_kind::text, &config::transports,
                         "data transports in order of preference, e.g. \"rdma,tcp\"; empty = all "
                         "this program has"},
@@ -162,6 +170,7 @@ inline std::span<const setting_info> config_table() {
     lift_settings(t, "engine", engine_settings);
     lift_settings(t, "tcp", &config::tcp, tcp_settings);
     lift_settings(t, "rdma", &config::rdma, rdma_settings);
+    lift_settings(t, "metadata", &config::metadata, metadata_settings);
     return t;
   }();
   return table;
@@ -189,7 +198,9 @@ inline const setting_info* find_setting(std::string_view name) noexcept {
 ///  - max_control_message >= 1, max_notification <= max_control_message
 ///    (a notification travels inside a control message);
 ///  - at most one of auth_secret and auth_secret_file;
-///  - each transport's own rules (tcp/config.hpp, rdma/config.hpp).
+///  - name: at most 255 bytes, no control characters;
+///  - each transport's own rules (tcp/config.hpp, rdma/config.hpp) and the
+///    metadata settings' (metadata/config.hpp).
 inline std::error_code validate(const config& c, std::string* what = nullptr) {
   using detail::fail;
   std::string_view host;
@@ -259,6 +270,13 @@ inline std::error_code validate(const config& c, std::string* what = nullptr) {
                           ") must not exceed max_control_message (" +
                           std::to_string(c.max_control_message) + ")");
   }
+  if (c.name.size() > 255) return fail(what, "name: longer than 255 bytes");
+  for (const char ch : c.name) {
+    if (static_cast<unsigned char>(ch) < 0x20 || ch == 0x7f) {
+      return fail(what, "name: must not contain control characters");
+    }
+  }
+  if (auto ec = validate(c.metadata, what)) return ec;
   return validate(c.rdma, what);
 }
 

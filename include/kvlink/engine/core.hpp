@@ -27,6 +27,10 @@
 #include <kvlink/engine/transfer.hpp>
 #include <kvlink/engine/transports.hpp>
 #include <kvlink/metadata/backend.hpp>
+#include <kvlink/metadata/config.hpp>
+#include <kvlink/metadata/etcd.hpp>
+#include <kvlink/metadata/http.hpp>
+#include <kvlink/metadata/http_client.hpp>
 #include <kvlink/metadata/p2p.hpp>
 #include <kvlink/transport/set.hpp>
 #include <kvlink/transport/transport.hpp>
@@ -136,8 +140,8 @@ class engine_core final : public transport_host,
                             cfg_.transfer_deadline, cfg_.fence_timeout, cfg_.max_notification,
                             cfg_.checksums},
         registry_, cache_, [this](peer_id id) { return find_peer(id); }, *this);
-    metadata_ = std::make_unique<p2p_metadata>(asio::any_io_executor(strand_),
-                                               [this](const nlohmann::json& m) { broadcast(m); });
+    name_ = cfg_.name.empty() ? advertised_ : cfg_.name;
+    metadata_ = make_metadata();
   }
 
   /// Starts the transports, the listener and the metadata backend (once).
@@ -146,8 +150,8 @@ class engine_core final : public transport_host,
       if (t->available()) t->start();
     }
     listener_.start(shared_from_this());
-    metadata_->watch([this](const instance_id& inst, std::vector<remote_segment_info> segs) {
-      cache_->replace(inst, std::move(segs));
+    metadata_->watch([w = weak_from_this()](const metadata_event& e) {
+      if (auto self = w.lock()) self->on_metadata_event(e);
     });
     metadata_->publish(descriptor());
   }
@@ -159,6 +163,8 @@ class engine_core final : public transport_host,
   /// The address the listener is bound to.
   const std::string& listen_address() const noexcept { return listener_.local_address(); }
   const instance_id& self() const noexcept { return self_; }
+  /// What peers call this engine: config.name, or its advertised address.
+  const std::string& name() const noexcept { return name_; }
   strand_type& strand() noexcept { return strand_; }
   std::string offer() const { return set_.offer(); }
   std::uint64_t next_op_id() noexcept { return transfers_->next_id(); }
@@ -225,7 +231,7 @@ class engine_core final : public transport_host,
       for (const auto& t : self->set_.all()) {
         if (t->available()) t->unregister_memory(id);
       }
-      self->metadata_->publish(self->descriptor());
+      self->publish_descriptor();
       if (self->pins_[id] == 0) {
         self->pins_.erase(id);
         h.complete({});
@@ -316,7 +322,7 @@ class engine_core final : public transport_host,
     auto state = std::make_shared<close_state>();
     asio::post(strand_, [self = shared_from_this(), state] {
       self->shutdown();
-      state->set();
+      self->when_withdrawn([state] { state->set(); });
     });
     if (ioc == nullptr) {
       state->wait();  // a thread pool or another executor runs it
@@ -345,7 +351,32 @@ class engine_core final : public transport_host,
     for (auto& s : sessions) s->close(errc::cancelled);
     for (const auto& t : set_.all()) t->shutdown();
     inbox_.close();
-    metadata_->withdraw();
+    metadata_->withdraw([w = weak_from_this()] {
+      if (auto self = w.lock()) self->withdrawn();
+    });
+  }
+
+  /// Runs `fn` once the metadata backend has withdrawn this engine (at
+  /// once with p2p; a store is told within a short bound). Strand-only,
+  /// after shutdown().
+  void when_withdrawn(std::function<void()> fn) {
+    if (withdrawn_) {
+      fn();
+      return;
+    }
+    withdraw_waiters_.push_back(std::move(fn));
+  }
+
+  /// Finds a peer by name through the metadata backend (no connection).
+  void resolve(std::string name, std::function<void(std::error_code, resolved_peer)> h) {
+    asio::post(strand_,
+               [self = shared_from_this(), name = std::move(name), h = std::move(h)]() mutable {
+                 if (self->shut_) {
+                   h(errc::cancelled, resolved_peer{});
+                   return;
+                 }
+                 self->metadata_->resolve(std::move(name), std::move(h));
+               });
   }
 
   // ------------------------------------------------------------ transport_host
@@ -483,6 +514,16 @@ class engine_core final : public transport_host,
     p->failure = ec;
     if (p->path) p->path->fail(ec);
     if (p->control) p->control->close(ec);
+    forget_seq(p->instance);
+  }
+
+  // Stops following an instance's segment lists once no live peer has it.
+  void forget_seq(const instance_id& inst) {
+    for (const auto& [pid, q] : peers_) {
+      if (q->instance == inst && q->alive.load()) return;
+    }
+    if (connecting_.contains(inst)) return;
+    known_seq_.erase(inst);
   }
 
   // Registrations come in bursts at start-up (hundreds of regions): one
@@ -492,7 +533,7 @@ class engine_core final : public transport_host,
     asio::post(strand_, [w = weak_from_this()] {
       if (auto self = w.lock()) {
         self->announce_pending_.store(false);
-        if (!self->shut_) self->metadata_->publish(self->descriptor());
+        if (!self->shut_) self->publish_descriptor();
       }
     });
   }
@@ -516,11 +557,154 @@ class engine_core final : public transport_host,
     control::peer_descriptor d;
     d.instance = self_;
     d.address = local_address();
+    d.name = name_;
+    d.seq = publish_seq_;
     d.segments = local_segments();
     for (const auto& t : set_.all()) {
       if (t->available()) d.transports[std::string(t->name())] = t->describe();
     }
     return d;
+  }
+
+  // A new publication of this engine's descriptor (strand-only).
+  void publish_descriptor() {
+    ++publish_seq_;
+    metadata_->publish(descriptor());
+  }
+
+  void withdrawn() {
+    withdrawn_ = true;
+    auto waiters = std::move(withdraw_waiters_);
+    withdraw_waiters_.clear();
+    for (auto& w : waiters) w();
+  }
+
+  // The backend config.metadata names. A store is reached (and this engine
+  // published in it) before the constructor returns: a store that cannot be
+  // reached is an error naming it.
+  std::shared_ptr<metadata_backend> make_metadata() {
+    auto bcast = [this](const nlohmann::json& m) { broadcast(m); };
+    const auto& mc = cfg_.metadata;
+    metadata_url u;
+    parse_metadata_url(mc.url, u);  // validated with the config
+    if (u.type == metadata_url::kind::p2p) {
+      return std::make_shared<p2p_metadata>(asio::any_io_executor(strand_), bcast);
+    }
+    std::shared_ptr<http::tls_context> tls;
+    if (u.tls || !mc.tls_ca.empty() || !mc.tls_cert.empty()) {
+      if (http::tls_support() == nullptr) {
+        throw std::system_error(
+            make_error_code(errc::invalid_argument),
+            fmt::format("kvlink: metadata store {}: TLS is asked for (https or metadata_tls_*) "
+                        "but this program has none: #include <kvlink/metadata/tls.hpp> and link "
+                        "kvlink::tls (libssl-dev)",
+                        mc.url));
+      }
+      std::string why;
+      tls = http::tls_support()(http::tls_files{mc.tls_ca, mc.tls_cert, mc.tls_key}, why);
+      if (!tls) {
+        throw std::system_error(make_error_code(errc::invalid_argument),
+                                fmt::format("kvlink: metadata store {}: {}", mc.url, why));
+      }
+    }
+    publish_seq_ = 1;
+    const auto mine = descriptor();
+    std::string what;
+    std::error_code ec;
+    std::shared_ptr<metadata_backend> made;
+    if (u.type == metadata_url::kind::etcd) {
+      etcd_metadata::options o;
+      o.url = mc.url;
+      o.endpoints = u.endpoints;
+      o.prefix = mc.prefix;
+      o.self_name = name_;
+      o.ttl = mc.lease_ttl;
+      o.timeout = mc.timeout;
+      o.user = mc.user;
+      o.password = load_password(mc);
+      o.tls = tls;
+      o.guard = guard_;
+      o.max_value = cfg_.max_control_message;
+      o.broadcast = bcast;
+      auto b = std::make_shared<etcd_metadata>(asio::any_io_executor(strand_), std::move(o));
+      ec = b->start(mine, what);
+      made = std::move(b);
+    } else {
+      http_metadata::options o;
+      o.url = mc.url;
+      std::string_view host;
+      std::uint16_t port = 0;
+      split_host_port(u.endpoints.front(), host, port);
+      o.host = std::string(host);
+      o.port = port;
+      o.path = u.path;
+      o.prefix = mc.prefix;
+      o.self_name = name_;
+      o.ttl = mc.lease_ttl;
+      o.poll = mc.poll_interval;
+      o.timeout = mc.timeout;
+      o.token = mc.token;
+      o.tls = tls;
+      o.guard = guard_;
+      o.max_value = cfg_.max_control_message;
+      o.broadcast = bcast;
+      auto b = std::make_shared<http_metadata>(asio::any_io_executor(strand_), std::move(o));
+      ec = b->start(mine, what);
+      made = std::move(b);
+    }
+    if (ec == errc::metadata_unavailable) {
+      throw std::system_error(
+          ec, fmt::format("kvlink: metadata store {} unreachable: {}", mc.url, what));
+    }
+    if (ec) throw std::system_error(ec, fmt::format("kvlink: metadata store {}: {}", mc.url, what));
+    return made;
+  }
+
+  static std::string load_password(const metadata_config& mc) {
+    if (!mc.password.empty() || mc.password_file.empty()) return mc.password;
+    std::ifstream in(mc.password_file, std::ios::binary);
+    std::string pw((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+    while (!pw.empty() && (pw.back() == '\n' || pw.back() == '\r')) pw.pop_back();
+    if (pw.empty()) {
+      throw std::system_error(
+          make_error_code(errc::invalid_argument),
+          fmt::format("kvlink: metadata_password_file '{}' cannot be read or is empty",
+                      mc.password_file));
+    }
+    return pw;
+  }
+
+  // What the metadata backend saw change (strand-only): a name that now
+  // holds another instance fails our peers of the old one (instance_changed);
+  // a name that went away (withdrawn, or its lease expired) fails them with
+  // peer_unreachable; a newer segment list of a peer replaces the cached one.
+  void on_metadata_event(const metadata_event& e) {
+    if (shut_) return;
+    if (e.what == metadata_event::kind::withdrawn) {
+      auto peers = peers_;
+      for (auto& [pid, p] : peers) {
+        if (p->alive.load() && !e.name.empty() && p->name == e.name &&
+            (!e.instance.valid() || p->instance == e.instance)) {
+          peer_failed(p, errc::peer_unreachable);
+        }
+      }
+      return;
+    }
+    if (!e.name.empty()) {
+      auto peers = peers_;
+      for (auto& [pid, p] : peers) {
+        if (p->alive.load() && p->name == e.name && p->instance != e.instance) {
+          const auto old = p->instance;
+          peer_failed(p, errc::instance_changed);
+          cache_->drop_instance(old);
+        }
+      }
+    }
+    const auto it = known_seq_.find(e.instance);
+    if (it == known_seq_.end()) return;             // not a peer of ours
+    if (e.seq != 0 && e.seq <= it->second) return;  // older than what we have
+    if (e.seq != 0) it->second = e.seq;
+    cache_->replace(e.instance, e.segments);
   }
 
   // A peer made us refuse something: said once per (limit, peer).
@@ -587,6 +771,14 @@ class engine_core final : public transport_host,
     if (auto ec = control::from_json(welcome.value("descriptor", nlohmann::json{}), desc)) {
       co_return ec;
     }
+    // A store only says where a name is; the engine there says (after the
+    // authentication) who it is.
+    if (metadata_->name() != "p2p" && desc.name != name) {
+      log("the metadata store says \"{}\" is at {}, but the engine there is \"{}\" (a stale "
+          "entry, or an engine that took over the address)",
+          name, where.address, desc.name);
+      co_return errc::peer_unreachable;
+    }
 
     // Connections are reused: one live peer per instance.
     for (auto& [pid, p] : peers_) {
@@ -595,10 +787,10 @@ class engine_core final : public transport_host,
         co_return std::error_code{};
       }
     }
-    // The same address with another instance: the peer restarted. Drop what
+    // The same name with another instance: the peer restarted. Drop what
     // we knew of the old one.
     for (auto& [pid, p] : peers_) {
-      if (p->address == name && p->instance != desc.instance) {
+      if (p->name == name && p->instance != desc.instance) {
         peer_failed(p, errc::instance_changed);
         cache_->drop_instance(p->instance);
       }
@@ -614,11 +806,24 @@ class engine_core final : public transport_host,
     auto p = std::make_shared<peer_state>();
     p->id = peer_id{next_peer_++};
     p->instance = desc.instance;
-    p->address = name;
+    p->address = where.address;
+    p->name = name;
     p->transport = std::string(choice.chosen->name());
     p->transport_reason = choice.reason;
     p->cache = cache_;
     cache_->replace(desc.instance, desc.segments);
+    // Segment lists that arrive while the data path connects are kept.
+    auto& seen = known_seq_[desc.instance];
+    seen = std::max(seen, desc.seq);
+    connecting_.insert(desc.instance);
+    struct connected_guard {
+      engine_core* core;
+      instance_id inst;
+      ~connected_guard() {
+        core->connecting_.erase(core->connecting_.find(inst));
+        core->forget_seq(inst);
+      }
+    } done_connecting{this, desc.instance};
     p->control = std::make_shared<control::channel>(std::move(control_socket),
                                                     cfg_.max_control_message, control_budget_);
 
@@ -770,7 +975,8 @@ class engine_core final : public transport_host,
   std::string advertised_;
   transport_set set_;
   std::shared_ptr<transfers> transfers_;
-  std::unique_ptr<metadata_backend> metadata_;
+  std::shared_ptr<metadata_backend> metadata_;
+  std::string name_;
   std::atomic<bool> announce_pending_{false};
   // strand-only
   std::unordered_map<std::uint64_t, std::shared_ptr<peer_state>> peers_;
@@ -781,6 +987,11 @@ class engine_core final : public transport_host,
   std::unordered_map<segment_id, std::size_t> pins_;
   std::multimap<segment_id, plain_handler> unpin_waiters_;
   notification_inbox inbox_;
+  std::uint64_t publish_seq_ = 0;
+  std::map<instance_id, std::uint64_t> known_seq_;  // peers' instances -> newest seq applied
+  std::multiset<instance_id> connecting_;           // instances whose connect is in progress
+  bool withdrawn_ = false;
+  std::vector<std::function<void()>> withdraw_waiters_;
   std::atomic<bool> shut_{false};
 };
 

@@ -30,6 +30,7 @@ struct peer_state {
   peer_id id;
   instance_id instance;
   std::string address;           ///< where it was reached (host:port)
+  std::string name;              ///< the name it was connected by (p2p: its address)
   std::string transport;         ///< the transport that carries its data
   std::string transport_reason;  ///< why that one (and not the others)
   std::shared_ptr<remote_segment_cache> cache;
@@ -52,6 +53,9 @@ class peer {
   instance_id instance() const noexcept { return state_ ? state_->instance : instance_id{}; }
   /// The address it was reached at (host:port).
   const std::string& address() const { return checked().address; }
+  /// The name it was connected by (async_connect's argument; with the p2p
+  /// backend, its address).
+  const std::string& name() const { return checked().name; }
   /// Which transport carries its data ("rdma", "tcp", ...): the first of the
   /// engine's config.transports that both engines can use.
   const std::string& transport() const { return checked().transport; }

@@ -36,10 +36,10 @@ class p2p_metadata final : public metadata_backend {
   /// Peers that connect later get the descriptor in their handshake; those
   /// connected now get the new segment list.
   void publish(const control::peer_descriptor& self) override {
-    broadcast_(control::make_segments(self.segments));
+    broadcast_(control::make_segments(self.segments, self.seq));
   }
 
-  void withdraw() override {}
+  void withdraw(std::function<void()> done) override { done(); }
 
   /// The name must be "host:port" (core/address.hpp); anything else is
   /// invalid_argument.
@@ -58,11 +58,9 @@ class p2p_metadata final : public metadata_backend {
   /// "segments" from a peer: its segment list as it is now. A malformed one
   /// is ignored (the target checks every access anyway).
   void on_peer_message(const instance_id& from, const nlohmann::json& msg) override {
-    if (msg.value("type", std::string{}) != "segments" || !on_change_) return;
-    std::vector<remote_segment_info> segs;
-    const auto it = msg.find("segments");
-    if (it == msg.end() || control::segments_from_json(*it, segs)) return;
-    on_change_(from, std::move(segs));
+    metadata_event e;
+    if (!on_change_ || !segments_event(from, msg, e)) return;
+    on_change_(e);
   }
 
  private:

@@ -60,6 +60,18 @@ kvlink::config all_changed() {
   c.rdma.gid_index = 3;
   c.rdma.qps_per_endpoint = 4;
   c.rdma.max_wr = 1024;
+  c.name = "decode-3";
+  c.metadata.url = "etcd://10.0.0.1:2379,10.0.0.2:2379";
+  c.metadata.prefix = "cluster-a/engines/";
+  c.metadata.lease_ttl = 5000ms;
+  c.metadata.poll_interval = 250ms;
+  c.metadata.timeout = 1500ms;
+  c.metadata.user = "kvlink";
+  c.metadata.password = "pw";  // (metadata_password_file: see below)
+  c.metadata.token = "t0ken";
+  c.metadata.tls_ca = "/etc/kvlink/ca.pem";
+  c.metadata.tls_cert = "/etc/kvlink/client.pem";
+  c.metadata.tls_key = "/etc/kvlink/client-key.pem";
   return c;
 }
 
@@ -69,7 +81,7 @@ TEST_CASE("config table has one consistent row per config field") {
   const auto table = kvlink::config_table();
   const json j = kvlink::to_json(kvlink::config{});
   CHECK(j.size() == table.size());
-  CHECK(table.size() == 29);  // settings of kvlink::config and its sections
+  CHECK(table.size() == 42);  // settings of kvlink::config and its sections
 
   std::set<std::string_view> names, envs;
   for (const auto& s : table) {
@@ -89,6 +101,8 @@ TEST_CASE("config table has one consistent row per config field") {
   CHECK(kvlink::find_setting("tcp_lanes")->component == "tcp");
   CHECK(kvlink::find_setting("max_frame_payload")->component == "tcp");
   CHECK(kvlink::find_setting("rdma_max_wr")->component == "rdma");
+  CHECK(kvlink::find_setting("metadata")->component == "metadata");
+  CHECK(kvlink::find_setting("metadata_lease_ttl")->component == "metadata");
 
   // Every field is reachable through the table: changing each one changes
   // exactly the JSON of its own row.
@@ -96,10 +110,12 @@ TEST_CASE("config table has one consistent row per config field") {
   const json jc = kvlink::to_json(changed);
   kvlink::config with_file;
   with_file.auth_secret_file = "/run/secrets/kvlink";
+  with_file.metadata.password_file = "/run/secrets/etcd";
   const json jf = kvlink::to_json(with_file);
   for (const auto& s : table) {
     CAPTURE(s.name);
-    const auto& changed_json = s.name == "auth_secret_file" ? jf : jc;
+    const auto& changed_json =
+        s.name == "auth_secret_file" || s.name == "metadata_password_file" ? jf : jc;
     CHECK(changed_json.at(std::string{s.name}) != j.at(std::string{s.name}));
   }
 }
