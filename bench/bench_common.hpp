@@ -22,8 +22,11 @@
 #include <string>
 #include <string_view>
 #include <system_error>
+#include <thread>
 #include <vector>
 
+#include <asio/bind_executor.hpp>
+#include <asio/executor_work_guard.hpp>
 #include <asio/io_context.hpp>
 #include <asio/posix/stream_descriptor.hpp>
 #include <asio/signal_set.hpp>
@@ -77,24 +80,79 @@ class page_buffer {
 
 inline page_buffer make_buffer(std::uint64_t size) { return page_buffer(size); }
 
+/// Where a bench's engine runs: its io_context, run by the bench's own
+/// thread (threads = 1, as before), or by `threads` threads of its own while
+/// the bench's thread runs only the completion handlers (on `main()`, where
+/// run_until and case_runner drive), so the bench's bookkeeping never runs
+/// concurrently with itself.
+class bench_io {
+ public:
+  explicit bench_io(unsigned threads) : threads_(std::max(threads, 1u)) {
+    if (threads_ > 1) {
+      // Handlers arrive from the engine's threads at any time: main() never
+      // runs out of work (it would stop) while this object lives.
+      main_work_.emplace(main_io_.get_executor());
+      work_.emplace(engine_io_.get_executor());
+      for (unsigned i = 0; i < threads_; ++i) runners_.emplace_back([this] { engine_io_.run(); });
+    }
+  }
+  ~bench_io() { stop(); }
+  bench_io(const bench_io&) = delete;
+  bench_io& operator=(const bench_io&) = delete;
+
+  unsigned threads() const noexcept { return threads_; }
+  /// The engine's executor.
+  asio::io_context& engine_io() noexcept { return engine_io_; }
+  /// Where completion handlers run: the io_context the bench's thread runs.
+  asio::io_context& main() noexcept { return threads_ > 1 ? main_io_ : engine_io_; }
+  /// `h`, to run on main().
+  template <class Handler>
+  auto bind(Handler&& h) {
+    return asio::bind_executor(main().get_executor(), std::forward<Handler>(h));
+  }
+  /// Runs main() until `done` holds.
+  template <class Pred>
+  void run_until(Pred done) {
+    auto& io = main();
+    while (!done()) io.run_one();
+  }
+  /// Lets the engine's threads finish (after the engine is gone).
+  void stop() {
+    if (work_) {
+      work_.reset();
+      engine_io_.stop();
+      for (auto& t : runners_) t.join();
+      runners_.clear();
+    }
+  }
+
+ private:
+  unsigned threads_;
+  asio::io_context engine_io_;
+  asio::io_context main_io_;
+  std::optional<asio::executor_work_guard<asio::io_context::executor_type>> work_, main_work_;
+  std::vector<std::thread> runners_;
+};
+
 /// The target's main loop: announces its address (the initiator, or a
 /// person, reads the `LISTEN host:port` line), drains notifications, and
 /// runs until SIGINT/SIGTERM or, with `watch_stdin`, until its stdin closes
 /// (the parent that started it is done or gone). Returns the number of
 /// notifications received.
-inline std::uint64_t serve_target(asio::io_context& io, kvlink::engine& eng,
-                                  std::uint64_t segment_bytes, bool watch_stdin) {
+inline std::uint64_t serve_target(bench_io& bio, kvlink::engine& eng, std::uint64_t segment_bytes,
+                                  bool watch_stdin) {
+  asio::io_context& io = bio.main();
   std::printf("LISTEN %s\n", eng.local_address().c_str());
   std::fflush(stdout);
   std::fprintf(stderr, "target: listening on %s, segment %s\n", eng.local_address().c_str(),
                kvlink::format_size(segment_bytes).c_str());
   std::uint64_t notes = 0;
   std::function<void()> receive = [&] {
-    eng.async_receive_notification([&](std::error_code ec, kvlink::notification) {
+    eng.async_receive_notification(bio.bind([&](std::error_code ec, kvlink::notification) {
       if (ec) return;
       ++notes;
       receive();
-    });
+    }));
   };
   receive();
   asio::signal_set signals{io, SIGINT, SIGTERM};
@@ -228,10 +286,9 @@ struct case_timing {
 /// the segment. run() drives `io` until the case is done.
 class case_runner {
  public:
-  case_runner(asio::io_context& io, engine& eng, const peer& p, std::byte* local,
-              std::uint64_t local_size, std::uint64_t remote_size, const case_timing& t,
-              case_result& r)
-      : io_(io), eng_(eng), r_(r), warmup_(t.warmup), seconds_(t.seconds) {
+  case_runner(bench_io& bio, engine& eng, const peer& p, std::byte* local, std::uint64_t local_size,
+              std::uint64_t remote_size, const case_timing& t, case_result& r)
+      : bio_(bio), eng_(eng), r_(r), warmup_(t.warmup), seconds_(t.seconds) {
     const std::uint64_t remote_stride = r.block + (t.scattered ? 4096 : 0);
     const std::uint64_t slots = std::max<std::uint64_t>(
         1, std::min(local_size / r.block,
@@ -251,14 +308,15 @@ class case_runner {
   void run() {
     start_ = clock_type::now();
     for (std::size_t i = 0; i < batches_.size(); ++i) submit(i);
-    while (outstanding_ > 0) io_.run_one();
+    bio_.run_until([this] { return outstanding_ == 0; });
   }
 
  private:
   void submit(std::size_t i) {
     ++outstanding_;
     eng_.async_submit_transfer(
-        batches_[i], [this, i](std::error_code ec, transfer_result res) { on_done(i, ec, res); });
+        batches_[i],
+        bio_.bind([this, i](std::error_code ec, transfer_result res) { on_done(i, ec, res); }));
   }
 
   void on_done(std::size_t i, std::error_code ec, const transfer_result& res) {
@@ -294,7 +352,7 @@ class case_runner {
   }
 
   enum class phase { warmup, measuring, draining };
-  asio::io_context& io_;
+  bench_io& bio_;
   engine& eng_;
   case_result& r_;
   std::chrono::duration<double> warmup_;

@@ -77,6 +77,7 @@ struct layout_options {
 
 struct engine_options {
   std::string transport = "tcp";
+  unsigned threads = 1;  // threads running each side's io_context
   bool checksums = false;
   std::uint32_t lanes = 0;  // 0: config default / environment
   std::string slice_size;
@@ -192,7 +193,7 @@ kvlink::config make_config(const engine_options& e) {
 
 // Options the child target needs to accept what the initiator sends.
 std::vector<std::string> engine_args(const engine_options& e) {
-  std::vector<std::string> a{"--transport", e.transport};
+  std::vector<std::string> a{"--transport", e.transport, "--threads", std::to_string(e.threads)};
   if (!e.slice_size.empty()) a.insert(a.end(), {"--slice-size", e.slice_size});
   if (!e.socket_buffer.empty()) a.insert(a.end(), {"--socket-buffer", e.socket_buffer});
   return a;
@@ -202,6 +203,11 @@ void add_engine_options(CLI::App* app, engine_options& e, bool lanes) {
   app->add_option("--transport", e.transport, transport_help())->capture_default_str();
   app->add_flag("--checksums", e.checksums,
                 "end-to-end CRC32C of every slice's payload (config.checksums)");
+  app->add_option("--threads", e.threads,
+                  "threads running each side's io_context (the target child gets the same); "
+                  "TCP lanes run on strands of their own, so data moves on up to this many cores")
+      ->capture_default_str()
+      ->check(CLI::Range(1u, 256u));
   if (lanes) app->add_option("--lanes", e.lanes, "TCP connections per peer (default: config, 2)");
   app->add_option("--slice-size", e.slice_size, "planner slice size (default 1MiB)");
   app->add_option("--max-inflight", e.max_inflight, "slices in flight per lane (default 32)");
@@ -294,26 +300,21 @@ int run_target(const target_options& o) {
   }
   fmt::print(stderr, "target: allocating and touching {} ...\n", kvlink::format_size(size));
   auto mem = kb::make_buffer(size);
-  asio::io_context io;
-  kvlink::engine eng{io.get_executor(), cfg};
+  kb::bench_io bio{o.engine.threads};
+  kvlink::engine eng{bio.engine_io().get_executor(), cfg};
   eng.register_segment(mem.data(), mem.size(), kvlink::access::remote_read_write);
-  const auto notes = kb::serve_target(io, eng, size, o.watch_stdin);
+  const auto notes = kb::serve_target(bio, eng, size, o.watch_stdin);
   fmt::print(stderr, "target: done, {} notifications received\n", notes);
   return 0;
 }
 
 // ------------------------------------------------------------------ initiator helpers
 
-// Runs io until `done` holds.
-template <class Pred>
-void run_until(asio::io_context& io, Pred done) {
-  while (!done()) io.run_one();
-}
-
-kvlink::peer connect_peer(asio::io_context& io, kvlink::engine& eng, const std::string& address) {
+kvlink::peer connect_peer(kb::bench_io& bio, kvlink::engine& eng, const std::string& address) {
   std::optional<std::pair<std::error_code, kvlink::peer>> conn;
-  eng.async_connect(address, [&](std::error_code ec, kvlink::peer p) { conn.emplace(ec, p); });
-  run_until(io, [&] { return conn.has_value(); });
+  eng.async_connect(address,
+                    bio.bind([&](std::error_code ec, kvlink::peer p) { conn.emplace(ec, p); }));
+  bio.run_until([&] { return conn.has_value(); });
   if (conn->first) {
     throw std::runtime_error(fmt::format("connect({}): {}", address, conn->first.message()));
   }
@@ -426,6 +427,7 @@ void print_kv(const kv_options& o, const model_shape& shape, const line_rate_inf
     j["transport"] = transport;
     j["checksums"] = o.engine.checksums;
     j["lanes"] = lanes;
+    j["threads"] = o.engine.threads;
     j["target"] = where;
     j["op"] = o.op;
     j["blocks"] = o.blocks;
@@ -472,9 +474,12 @@ void print_kv(const kv_options& o, const model_shape& shape, const line_rate_inf
       "{} B/token\n",
       shape.label, l.num_layers, l.num_kv_heads, l.head_dim, kvlink::to_string(l.type), l.tp_size,
       l.bytes_per_token_per_rank());
-  fmt::print("# {} over {} ({} lanes{}), target {}; {} block ids, {}-token blocks\n",
-             o.op == "write" ? "WRITE (push)" : "READ (pull)", transport, lanes,
-             o.engine.checksums ? ", CRC32C checksums" : "", where, o.blocks, l.block_tokens);
+  fmt::print(
+      "# {} over {} ({} lanes, {} thread{} per side{}), target {}; {} block ids, "
+      "{}-token blocks\n",
+      o.op == "write" ? "WRITE (push)" : "READ (pull)", transport, lanes, o.engine.threads,
+      o.engine.threads == 1 ? "" : "s", o.engine.checksums ? ", CRC32C checksums" : "", where,
+      o.blocks, l.block_tokens);
   fmt::print("# padded = prompt + {} template tokens, rounded up to whole {}-token blocks\n",
              o.layout.pad, l.block_tokens);
   fmt::print(
@@ -532,10 +537,10 @@ int run_kv(const kv_options& o) {
   fmt::print(stderr, "initiator: allocating and touching {} ...\n",
              kvlink::format_size(local_layout.total_bytes()));
   auto mem = kb::make_buffer(local_layout.total_bytes());
-  asio::io_context io;
-  kvlink::engine eng{io.get_executor(), cfg};
+  kb::bench_io bio{o.engine.threads};
+  kvlink::engine eng{bio.engine_io().get_executor(), cfg};
   eng.register_segment(mem.data(), mem.size(), kvlink::access::remote_read_write);
-  const kvlink::peer peer = connect_peer(io, eng, target.address);
+  const kvlink::peer peer = connect_peer(bio, eng, target.address);
   const auto seg = peer.segments().front();
 
   // The target's block table: as many blocks as its first segment holds.
@@ -587,8 +592,9 @@ int run_kv(const kv_options& o) {
       std::optional<std::pair<std::error_code, kvlink::transfer_result>> done;
       const auto t0 = kb::clock_type::now();
       eng.async_submit_transfer(
-          reqs, opts, [&](std::error_code ec, kvlink::transfer_result r) { done.emplace(ec, r); });
-      run_until(io, [&] { return done.has_value(); });
+          reqs, opts,
+          bio.bind([&](std::error_code ec, kvlink::transfer_result r) { done.emplace(ec, r); }));
+      bio.run_until([&] { return done.has_value(); });
       const double ms =
           std::chrono::duration<double, std::milli>(kb::clock_type::now() - t0).count();
       if (done->first) {
@@ -661,7 +667,7 @@ int run_sweep(const sweep_options& o) {
   const kb::case_timing timing{std::chrono::duration<double>(o.warmup),
                                std::chrono::duration<double>(o.seconds),
                                o.block_layout == "scattered"};
-  asio::io_context io;
+  kb::bench_io bio{o.engine.threads};
   std::vector<kb::case_result> rows;
   int rc = 0;
   kvlink::config cfg0 = make_config(o.engine);
@@ -669,9 +675,9 @@ int run_sweep(const sweep_options& o) {
   for (auto n : lanes) {
     kvlink::config cfg = cfg0;
     cfg.tcp.lanes = static_cast<std::uint32_t>(std::min<std::uint64_t>(n, 1024));
-    kvlink::engine eng{io.get_executor(), cfg};
+    kvlink::engine eng{bio.engine_io().get_executor(), cfg};
     eng.register_segment(mem.data(), mem.size(), kvlink::access::remote_read_write);
-    const kvlink::peer peer = connect_peer(io, eng, target.address);
+    const kvlink::peer peer = connect_peer(bio, eng, target.address);
     used_transport = peer.transport_reason();
     const std::uint64_t remote_size = peer.segments().front().length;
     for (auto op : ops) {
@@ -687,7 +693,7 @@ int run_sweep(const sweep_options& o) {
           fmt::print(stderr, "  lanes {} {:<5} {:>8} x {:<3} depth {} ...", r.lanes,
                      kb::op_name(op), kvlink::format_size(block), batch, o.depth);
           std::fflush(stderr);
-          kb::case_runner runner{io, eng, peer, mem.data(), mem.size(), remote_size, timing, r};
+          kb::case_runner runner{bio, eng, peer, mem.data(), mem.size(), remote_size, timing, r};
           if (!kb::run_and_report(runner, r)) rc = 1;
           rows.push_back(r);
         }
@@ -719,10 +725,10 @@ int run_sweep(const sweep_options& o) {
                  r.mean_latency_us, r.error ? r.error.message() : std::string{});
   } else {
     fmt::print(
-        "# kvlink-bench sweep over {}, target {}; depth {}, {} block layout; "
-        "GB/s = 10^9 B/s, GiB/s = 2^30 B/s\n",
+        "# kvlink-bench sweep over {}, target {}; depth {}, {} block layout, {} thread(s) per "
+        "side; GB/s = 10^9 B/s, GiB/s = 2^30 B/s\n",
         used_transport, target.local ? "child process on loopback" : target.address, o.depth,
-        o.block_layout);
+        o.block_layout, o.engine.threads);
     fmt::print("{:>5} {:<6} {:>9} {:>6} {:>9} {:>9} {:>13}\n", "lanes", "op", "block", "batch",
                "GB/s", "GiB/s", "lat/batch us");
     for (const auto& r : rows) {

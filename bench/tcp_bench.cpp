@@ -228,11 +228,11 @@ options parse_options(int argc, char** argv) {
 // ------------------------------------------------------------------ target
 
 int run_target(const options& o) {
-  asio::io_context io;
+  kvlink::bench::bench_io bio{1};
   auto mem = make_buffer(o.segment_size);
-  kvlink::tcp_engine eng{io.get_executor(), o.cfg};
+  kvlink::tcp_engine eng{bio.engine_io().get_executor(), o.cfg};
   eng.register_segment(mem.data(), mem.size(), kvlink::access::remote_read_write);
-  kvlink::bench::serve_target(io, eng, o.segment_size, o.watch_stdin);
+  kvlink::bench::serve_target(bio, eng, o.segment_size, o.watch_stdin);
   return 0;
 }
 
@@ -275,7 +275,8 @@ void print_csv(const options& o, const std::vector<case_result>& rows) {
 }
 
 int run_initiator(const options& o, const std::string& address) {
-  asio::io_context io;
+  kvlink::bench::bench_io bio{1};
+  asio::io_context& io = bio.engine_io();
   auto mem = make_buffer(o.segment_size);
   kvlink::config cfg = o.cfg;
   cfg.listen = "127.0.0.1:0";  // the initiator's own listener is not used
@@ -310,7 +311,7 @@ int run_initiator(const options& o, const std::string& address) {
         const kvlink::bench::case_timing timing{std::chrono::duration<double>(o.warmup),
                                                 std::chrono::duration<double>(o.seconds),
                                                 o.scattered};
-        case_runner runner{io, eng, peer, mem.data(), mem.size(), remote_size, timing, r};
+        case_runner runner{bio, eng, peer, mem.data(), mem.size(), remote_size, timing, r};
         if (!kvlink::bench::run_and_report(runner, r)) rc = 1;
         rows.push_back(r);
       }

@@ -38,8 +38,13 @@
 //   above with errc::cancelled. Bytes already written stay written.
 //
 // Thread safety. The io_context (or any executor) may be run by one thread
-// or many. The engine's state lives on a strand of it; a transport's data
-// paths report to that strand.
+// or many. The engine's state (registry, peers, transfers) lives on a strand
+// of it; each TCP lane, and each lane a peer opened to us, does its socket
+// I/O on a strand of its own on the same executor, so an io_context run by
+// N threads moves one engine's data on up to N cores (a peer with
+// config.tcp.lanes >= N keeps them busy). Lanes report finished slices to
+// the engine's strand, in order per lane; the completion contract and the
+// fence rule are the same with one thread or many.
 // - Every member may be called from any thread, concurrently:
 //   register_segment() (the registry and the transports' registration are
 //   thread-safe), every async_* initiating function (they post to the
@@ -57,7 +62,9 @@
 //   (another thread may be in the engine's handlers): co_await
 //   async_close() there first, or destroy it from another thread. When the
 //   io_context is stopped, destroy the engine after the threads that ran it
-//   have returned from run().
+//   have returned from run(). async_close() completes once every
+//   connection has closed on its strand and no transfer or peer access
+//   touches registered memory any more.
 #pragma once
 
 #include <kvlink/core/error.hpp>
@@ -145,7 +152,7 @@ class engine {
               std::move(handler), ex_);
           asio::post(core_->strand(), [c = core_, h]() mutable {
             c->shutdown();
-            c->when_withdrawn([h] { h->complete({}); });
+            c->when_closed([h] { h->complete({}); });
           });
         },
         token);

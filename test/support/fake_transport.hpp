@@ -202,7 +202,10 @@ class fake_path final : public kvlink::data_path, public std::enable_shared_from
         self->report(c, ec);
         return;
       }
-      tt->env().host->pin(kvlink::segment_id{c->s.segment});
+      if (!tt->env().host->pin(kvlink::segment_id{c->s.segment})) {
+        self->report(c, kvlink::errc::not_registered);  // unregistered in between
+        return;
+      }
       c->pinned = true;
       self->step(tt, c);
     });

@@ -101,9 +101,14 @@ class engine_core final : public transport_host,
           if (it == session_keys_.end()) return std::nullopt;
           return it->second;
         }};
-    const transport_env env{
-        asio::any_io_executor(strand_), this,   &registry_, self_, cfg_.connect_timeout,
-        cfg_.max_control_message,       &guard_};
+    const transport_env env{asio::any_io_executor(strand_),
+                            this,
+                            &registry_,
+                            self_,
+                            cfg_.connect_timeout,
+                            cfg_.max_control_message,
+                            &guard_,
+                            strand_.get_inner_executor()};
     std::vector<std::shared_ptr<transport>> made;
     std::string what;
     const std::string wanted =
@@ -232,12 +237,16 @@ class engine_core final : public transport_host,
         if (t->available()) t->unregister_memory(id);
       }
       self->publish_descriptor();
-      if (self->pins_[id] == 0) {
-        self->pins_.erase(id);
+      // Pins taken from now on are refused (the registry no longer holds
+      // it; pin() checks under pins_mutex_), so the count only goes down.
+      if (self->pin_count(id) == 0) {
         h.complete({});
         return;
       }
       self->unpin_waiters_.emplace(id, std::move(h));
+      // The last unpin may have run on another strand in between.
+      self->release_unpin_waiters(id);
+      if (!self->unpin_waiters_.contains(id)) return;
       auto timer = std::make_shared<asio::steady_timer>(self->strand_, self->cfg_.fence_timeout);
       timer->async_wait([w = self->weak_from_this(), id, timer](std::error_code ec) {
         auto me = w.lock();
@@ -306,23 +315,26 @@ class engine_core final : public transport_host,
   /// Closes everything, on the strand, and returns once that has run (see
   /// engine.hpp, "Thread safety", for when each path below is taken).
   void close() {
-    if (strand_.running_in_this_thread()) {
+    auto* ioc = io_context_of(strand_.get_inner_executor());
+    if (ioc == nullptr && strand_.running_in_this_thread()) {
+      // Inside one of the engine's handlers on another kind of executor:
+      // it cannot wait here; connections close on their strands
+      // (engine::async_close says when that is over).
       shutdown();
       return;
     }
-    auto* ioc = io_context_of(strand_.get_inner_executor());
     if (ioc != nullptr && (ioc->stopped() || ioc->get_executor().running_in_this_thread())) {
       // Nobody runs the io_context (stopped), or this thread is the one
       // running it, inside another handler (one thread: nobody else can be
       // in the engine's handlers now; a pool must close on the strand,
-      // engine::async_close).
-      shutdown();
+      // engine::async_close): connections close right here.
+      shutdown_inline();
       return;
     }
     auto state = std::make_shared<close_state>();
     asio::post(strand_, [self = shared_from_this(), state] {
       self->shutdown();
-      self->when_withdrawn([state] { state->set(); });
+      self->when_closed([state] { state->set(); });
     });
     if (ioc == nullptr) {
       state->wait();  // a thread pool or another executor runs it
@@ -332,7 +344,7 @@ class engine_core final : public transport_host,
     // driving it by hand), so run it until the shutdown has run.
     while (!state->done()) {
       if (ioc->stopped()) {
-        shutdown();  // idempotent: the posted one then does nothing
+        shutdown_inline();  // idempotent: the posted one then does nothing
         return;
       }
       ioc->run_one_for(std::chrono::milliseconds(1));
@@ -356,6 +368,16 @@ class engine_core final : public transport_host,
     });
   }
 
+  /// shutdown() where no handler of the engine can run concurrently (see
+  /// close()): connections on other strands are closed from here too.
+  void shutdown_inline() {
+    auto& flag = detail::closing_inline();
+    const bool was = flag;
+    flag = true;
+    shutdown();
+    flag = was;
+  }
+
   /// Runs `fn` once the metadata backend has withdrawn this engine (at
   /// once with p2p; a store is told within a short bound). Strand-only,
   /// after shutdown().
@@ -365,6 +387,21 @@ class engine_core final : public transport_host,
       return;
     }
     withdraw_waiters_.push_back(std::move(fn));
+  }
+
+  /// Runs `fn` once closing is over: the store withdrawn, and nothing
+  /// touches registered memory any more (no pin left: the connections that
+  /// run on strands of their own have closed, every transfer completed).
+  /// Strand-only, after shutdown().
+  void when_closed(std::function<void()> fn) {
+    when_withdrawn([w = weak_from_this(), fn = std::move(fn)]() mutable {
+      auto self = w.lock();
+      if (!self || self->pins_total() == 0) {
+        fn();
+        return;
+      }
+      self->close_waiters_.push_back(std::move(fn));
+    });
   }
 
   /// Finds a peer by name through the metadata backend (no connection).
@@ -385,15 +422,67 @@ class engine_core final : public transport_host,
     transfers_->slice_done(op, bytes, ec);
   }
 
+  void slices_done(std::span<const slice_report> done) override { transfers_->slices_done(done); }
+
   bool stopping(const transfer_op* op) const noexcept override { return transfers::stopping(op); }
 
-  void pin(segment_id id) override { ++pins_[id]; }
+  // Pins come from the engine's strand (local segments of transfers) and
+  // from the transports' strands (a peer's access being served): a mutex,
+  // held for a map update. A pin is refused once the segment left the
+  // registry, which unregister_segment() does before it counts the pins.
+  bool pin(segment_id id) override {
+    std::lock_guard lock{pins_mutex_};
+    if (!registry_.get(id)) return false;
+    ++pins_[id];
+    return true;
+  }
 
   void unpin(segment_id id) override {
-    auto it = pins_.find(id);
-    if (it == pins_.end()) return;
-    if (--it->second > 0) return;
-    pins_.erase(it);
+    {
+      std::lock_guard lock{pins_mutex_};
+      auto it = pins_.find(id);
+      if (it == pins_.end()) return;
+      if (--it->second > 0) return;
+      pins_.erase(it);
+    }
+    if (strand_.running_in_this_thread()) {
+      release_unpin_waiters(id);
+      return;
+    }
+    asio::post(strand_, [w = weak_from_this(), id] {
+      if (auto self = w.lock()) self->release_unpin_waiters(id);
+    });
+  }
+
+  std::shared_ptr<transport_host> keep_alive() override {
+    return std::shared_ptr<transport_host>(shared_from_this(), static_cast<transport_host*>(this));
+  }
+
+  std::size_t pins_total() const {
+    std::lock_guard lock{pins_mutex_};
+    return pins_.size();
+  }
+
+  std::size_t pin_count(segment_id id) const {
+    std::lock_guard lock{pins_mutex_};
+    const auto it = pins_.find(id);
+    return it == pins_.end() ? 0 : it->second;
+  }
+
+  // Strand-only: completes the unregistrations of `id` once no pin is left,
+  // and a close once no pin at all is left.
+  void release_unpin_waiters(segment_id id) {
+    if (!close_waiters_.empty() && pins_total() == 0) {
+      // In a handler of their own that holds the engine: the caller (a
+      // transfer completing) still runs after this, and a closed engine may
+      // be destroyed by the thread that waited for it.
+      auto waiters = std::move(close_waiters_);
+      close_waiters_.clear();
+      asio::post(strand_, [self = shared_from_this(), waiters = std::move(waiters)] {
+        for (const auto& fn : waiters) fn();
+      });
+    }
+    if (pin_count(id) != 0) return;
     auto [first, last] = unpin_waiters_.equal_range(id);
     std::vector<plain_handler> ready;
     for (auto w = first; w != last; ++w) ready.push_back(std::move(w->second));
@@ -984,7 +1073,9 @@ class engine_core final : public transport_host,
   std::vector<std::shared_ptr<control::channel>> sessions_;
   std::unordered_map<std::string, control::digest> session_keys_;  // session id -> key
   std::set<std::string> refusals_logged_;
-  std::unordered_map<segment_id, std::size_t> pins_;
+  mutable std::mutex pins_mutex_;
+  std::unordered_map<segment_id, std::size_t> pins_;  // guarded by pins_mutex_
+  std::vector<std::function<void()>> close_waiters_;  // when_closed()
   std::multimap<segment_id, plain_handler> unpin_waiters_;
   notification_inbox inbox_;
   std::uint64_t publish_seq_ = 0;

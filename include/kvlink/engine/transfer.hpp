@@ -6,7 +6,8 @@
 //
 // Transports report each slice through slice_done(), from any strand: the
 // report is carried to the engine's strand, where every transfer's state
-// lives. (Today every path runs on that strand, so it is a direct call.)
+// lives (TCP lanes run on strands of their own; RDMA and the fake transport
+// on the engine's, where it is a direct call).
 #pragma once
 
 #include <kvlink/control/message.hpp>
@@ -27,6 +28,7 @@
 #include <limits>
 #include <memory>
 #include <optional>
+#include <span>
 #include <system_error>
 #include <unordered_map>
 #include <vector>
@@ -34,6 +36,7 @@
 #include <asio/any_io_executor.hpp>
 #include <asio/cancellation_signal.hpp>
 #include <asio/dispatch.hpp>
+#include <asio/post.hpp>
 #include <asio/steady_timer.hpp>
 #include <asio/strand.hpp>
 
@@ -59,7 +62,8 @@ struct transfer_options {
 
 namespace detail {
 
-/// One transfer's state. Strand-only.
+/// One transfer's state. Strand-only, except `stopping`, which transports
+/// read from their strands while they hold one of its slices.
 struct transfer_op {
   std::uint64_t id = 0;
   erased_handler<void(std::error_code, transfer_result)> handler;
@@ -67,7 +71,7 @@ struct transfer_op {
   std::size_t pending = 0;  // slices handed to paths and not yet resolved
   std::error_code error;
   transfer_result result;
-  bool stopping = false;
+  std::atomic<bool> stopping{false};
   std::chrono::steady_clock::time_point start;
   std::optional<asio::steady_timer> deadline;
   std::optional<asio::steady_timer> fence;
@@ -140,8 +144,12 @@ class transfers : public std::enable_shared_from_this<transfers> {
       for (const auto& item : g.items) {
         if (std::find(op->local_segments.begin(), op->local_segments.end(), item.local_segment) ==
             op->local_segments.end()) {
+          if (!pins_.pin(item.local_segment)) {  // validated above, on this strand
+            op->error = errc::not_registered;
+            complete(op);
+            return;
+          }
           op->local_segments.push_back(item.local_segment);
-          pins_.pin(item.local_segment);
         }
       }
     }
@@ -226,7 +234,21 @@ class transfers : public std::enable_shared_from_this<transfers> {
     });
   }
 
-  static bool stopping(const transfer_op* op) noexcept { return op->stopping; }
+  /// From any strand: several slices finished; one hop to the strand.
+  void slices_done(std::span<const slice_report> done) {
+    if (strand_.running_in_this_thread()) {
+      for (const auto& d : done) on_slice_done(d.op, d.bytes, d.ec);
+      return;
+    }
+    asio::post(strand_, [self = shared_from_this(),
+                         v = std::vector<slice_report>(done.begin(), done.end())] {
+      for (const auto& d : v) self->on_slice_done(d.op, d.bytes, d.ec);
+    });
+  }
+
+  static bool stopping(const transfer_op* op) noexcept {
+    return op->stopping.load(std::memory_order_acquire);
+  }
 
  private:
   struct group {
@@ -289,8 +311,8 @@ class transfers : public std::enable_shared_from_this<transfers> {
   /// First error wins: drop what was not sent, then wait for what is in
   /// flight (or fence it after fence_timeout).
   void stop(transfer_op* op, std::error_code ec) {
-    if (op->stopping) return;
-    op->stopping = true;
+    if (op->stopping.load(std::memory_order_relaxed)) return;
+    op->stopping.store(true, std::memory_order_release);
     if (!op->error) op->error = ec;
     if (op->deadline) op->deadline->cancel();
     std::size_t dropped = 0;

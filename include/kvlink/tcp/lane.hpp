@@ -14,7 +14,9 @@
 // with errc::local_memory_fault, the others go back to the path
 // (on_broken), which opens a new connection for them.
 //
-// Runs on the executor of its socket; reports to a transport_host.
+// Runs on the executor of its socket (a strand of its own: every call from
+// outside is posted there by the path); reports to a transport_host from
+// that strand, and keeps the host alive while it may still report.
 #pragma once
 
 #include <kvlink/control/socket.hpp>
@@ -79,6 +81,7 @@ class lane final : public std::enable_shared_from_this<lane> {
   lane(asio::ip::tcp::socket socket, transport_host& host, std::size_t window,
        std::function<void(std::error_code)> on_failure, broken_fn on_broken = nullptr)
       : socket_(std::move(socket)),
+        keep_(host.keep_alive()),
         host_(host),
         window_(std::max<std::size_t>(window, 1)),
         on_failure_(std::move(on_failure)),
@@ -91,12 +94,38 @@ class lane final : public std::enable_shared_from_this<lane> {
   /// the lane is idle).
   void start() { receive(); }
 
-  bool failed() const noexcept { return failed_; }
-  std::size_t queued() const noexcept { return queue_.size(); }
-  std::size_t in_flight() const noexcept { return inflight_.size(); }
+  using executor_type = asio::ip::tcp::socket::executor_type;
+  /// Where every call to the lane is made.
+  executor_type get_executor() noexcept { return socket_.get_executor(); }
 
-  /// Queues a slice; it is sent when the window has room.
-  void enqueue(const slice_ref& s) { queue_.push_back(s); }
+  bool failed() const noexcept { return failed_; }
+
+  /// Queues a slice; it is sent when the window has room. A lane that has
+  /// failed (before its path heard of it) resolves it at once.
+  void enqueue(const slice_ref& s) {
+    if (failed_) {
+      host_.slice_done(s.op, 0, failure_);
+      return;
+    }
+    queue_.push_back(s);
+  }
+
+  /// Resolves the queued slices of transfers that are stopping with
+  /// errc::cancelled (they were never sent).
+  void purge() {
+    std::erase_if(queue_, [this](const slice_ref& s) {
+      if (!host_.stopping(s.op)) return false;
+      host_.slice_done(s.op, 0, errc::cancelled);
+      return true;
+    });
+  }
+
+  /// Whether it holds (queued or in flight) a slice of `op`.
+  bool carries(const detail::transfer_op* op) const {
+    const auto of_op = [op](const slice_ref& s) { return s.op == op; };
+    return std::any_of(inflight_.begin(), inflight_.end(), of_op) ||
+           std::any_of(queue_.begin(), queue_.end(), of_op);
+  }
 
   /// Sends what the window allows. Call after enqueue().
   void pump() {
@@ -108,6 +137,10 @@ class lane final : public std::enable_shared_from_this<lane> {
            send_headers_.size() < max_batch_frames && bytes < max_batch_bytes) {
       slice_ref s = queue_.front();
       queue_.pop_front();
+      if (host_.stopping(s.op)) {  // never sent: nothing touches its memory
+        host_.slice_done(s.op, 0, errc::cancelled);
+        continue;
+      }
       s.tag = next_tag_++;
       frame_header h;
       h.type = s.kind == opcode::write ? frame_type::write_request : frame_type::read_request;
@@ -145,25 +178,13 @@ class lane final : public std::enable_shared_from_this<lane> {
                       });
   }
 
-  /// Removes queued (not yet sent) slices of `op`; returns how many. They are
-  /// not reported through slice_done: the caller accounts for them.
-  std::size_t drop_queued(const detail::transfer_op* op) {
-    const auto before = queue_.size();
-    std::erase_if(queue_, [op](const slice_ref& s) { return s.op == op; });
-    return before - queue_.size();
-  }
-
-  bool has_in_flight(const detail::transfer_op* op) const {
-    return std::any_of(inflight_.begin(), inflight_.end(),
-                       [op](const auto& s) { return s.op == op; });
-  }
-
   /// Closes the connection and resolves every queued and in-flight slice
   /// with `ec`. Once the socket is closed the kernel no longer reads from or
   /// writes to any slice's memory, so reporting them done here is safe.
   void fail(std::error_code ec) {
     if (failed_) return;
     failed_ = true;
+    failure_ = ec;
     std::error_code ignored;
     socket_.shutdown(asio::socket_base::shutdown_both, ignored);
     socket_.close(ignored);
@@ -185,6 +206,7 @@ class lane final : public std::enable_shared_from_this<lane> {
   void local_fault(const std::uint64_t* culprit) {
     if (failed_) return;
     failed_ = true;
+    failure_ = errc::peer_closed;  // for slices that arrive after: the path redials
     std::error_code ignored;
     socket_.shutdown(asio::socket_base::shutdown_both, ignored);
     socket_.close(ignored);
@@ -237,12 +259,23 @@ class lane final : public std::enable_shared_from_this<lane> {
                      });
   }
 
+  // Write acknowledgements read together are reported together.
+  void flush_done() {
+    if (done_.empty()) return;
+    host_.slices_done(done_);
+    done_.clear();
+  }
+
   void on_headers(std::error_code ec, std::size_t n) {
     if (failed_) return;
     if (ec) {
       fail(control::map_socket_error(ec));
       return;
     }
+    struct flush_at_exit {
+      lane* l;
+      ~flush_at_exit() { l->flush_done(); }
+    } flush{this};  // before any other report (fail() reports the rest after them)
     have_ += n;
     std::byte* base = recv_buf_.data()->data();
     std::size_t pos = 0;
@@ -307,8 +340,7 @@ class lane final : public std::enable_shared_from_this<lane> {
         return;
       }
       inflight_.pop_front();
-      host_.slice_done(s.op, status ? 0 : s.length, status);
-      if (failed_) return;
+      done_.push_back(slice_report{s.op, status ? 0 : s.length, status});
     }
     if (pos > 0 && have_ > pos) std::memmove(base, base + pos, have_ - pos);
     have_ -= pos;
@@ -317,6 +349,7 @@ class lane final : public std::enable_shared_from_this<lane> {
   }
 
   asio::ip::tcp::socket socket_;
+  std::shared_ptr<transport_host> keep_;  // the host outlives the lane's handlers
   transport_host& host_;
   std::size_t window_;
   std::function<void(std::error_code)> on_failure_;
@@ -325,12 +358,14 @@ class lane final : public std::enable_shared_from_this<lane> {
   std::deque<slice_ref> inflight_;         // sent, response pending, in send order
   std::vector<frame_bytes> send_headers_;  // headers of the write in progress
   std::vector<asio::const_buffer> send_bufs_;
+  std::vector<slice_report> done_;  // acknowledged, reported at the end of on_headers
   std::array<frame_bytes, 64> recv_buf_{};
   std::size_t have_ = 0;  // bytes of a partial header at the start of recv_buf_
   std::uint64_t next_tag_ = 1;
   bool writing_ = false;
   bool receiving_ = false;
   bool failed_ = false;
+  std::error_code failure_;
 };
 
 }  // namespace kvlink::tcp

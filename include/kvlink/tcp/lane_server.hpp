@@ -10,7 +10,9 @@
 // connection. Segments are pinned while a frame touches them, so
 // unregistration waits for it.
 //
-// Runs on the executor of its socket; reports to a transport_host.
+// Runs on the executor of its socket (a strand of its own: close() and
+// holds() are posted there by the transport); pins through a
+// transport_host, which it keeps alive while it may still unpin.
 #pragma once
 
 #include <kvlink/core/crc32c.hpp>
@@ -48,9 +50,14 @@ class lane_server : public std::enable_shared_from_this<lane_server> {
               std::uint64_t max_frame_payload, std::shared_ptr<void> lease = nullptr)
       : socket_(std::move(socket)),
         registry_(registry),
+        keep_(host.keep_alive()),
         host_(host),
         max_payload_(max_frame_payload),
         lease_(std::move(lease)) {}
+
+  using executor_type = asio::ip::tcp::socket::executor_type;
+  /// Where every call to the server is made.
+  executor_type get_executor() noexcept { return socket_.get_executor(); }
 
   void start() { read_header(); }
 
@@ -126,7 +133,10 @@ class lane_server : public std::enable_shared_from_this<lane_server> {
         drain(h, check);
         return;
       }
-      host_.pin(seg);
+      if (!host_.pin(seg)) {  // unregistered since the check
+        drain(h, errc::not_registered);
+        return;
+      }
       pinned_read_ = true;
       pinned_read_segment_ = seg;
       asio::async_read(
@@ -156,8 +166,9 @@ class lane_server : public std::enable_shared_from_this<lane_server> {
                                                                      access::remote_read, src);
     if (check) {
       respond(frame_type::read_response, h, check, nullptr, segment_id{}, false);
+    } else if (!host_.pin(seg)) {  // unregistered since the check
+      respond(frame_type::read_response, h, errc::not_registered, nullptr, segment_id{}, false);
     } else {
-      host_.pin(seg);
       respond(frame_type::read_response, h, {}, src, seg, true);
     }
     read_header();
@@ -250,6 +261,7 @@ class lane_server : public std::enable_shared_from_this<lane_server> {
 
   asio::ip::tcp::socket socket_;
   const segment_registry& registry_;
+  std::shared_ptr<transport_host> keep_;  // the host outlives the server's handlers
   transport_host& host_;
   std::uint64_t max_payload_;
   std::shared_ptr<void> lease_;

@@ -30,14 +30,28 @@
 #include <asio/co_spawn.hpp>
 #include <asio/detached.hpp>
 #include <asio/ip/tcp.hpp>
+#include <asio/post.hpp>
 #include <nlohmann/json.hpp>
+#include <unistd.h>
 
 namespace kvlink::tcp {
 
-/// The data path to one peer: its lanes, equally weighted. A lane that fails
-/// fails the path (the peer is reported lost), except when our own memory
-/// broke its stream (a local buffer that is not accessible): then the lane
-/// is dialed again and carries the slices it had.
+/// Runs `fn` on `io`'s executor: directly when closing inline, else posted.
+template <class IoObject, class Fn>
+void on_strand_of(const std::shared_ptr<IoObject>& io, Fn&& fn) {
+  if (detail::closing_inline()) {
+    fn();
+    return;
+  }
+  asio::post(io->get_executor(), std::forward<Fn>(fn));
+}
+
+/// The data path to one peer: its lanes, equally weighted, each on a strand
+/// of its own. The path itself lives on the engine's strand: it collects the
+/// slices the engine enqueues and hands each lane its share in one post per
+/// pump(). A lane that fails fails the path (the peer is reported lost),
+/// except when our own memory broke its stream (a local buffer that is not
+/// accessible): then the lane is dialed again and carries the slices it had.
 class path final : public data_path, public std::enable_shared_from_this<path> {
  public:
   /// Opens lane `index` of the path; on_broken is the path's to set.
@@ -56,12 +70,13 @@ class path final : public data_path, public std::enable_shared_from_this<path> {
     for (std::uint32_t i = 0; i < count; ++i) {
       std::shared_ptr<lane> l;
       if (auto ec = co_await dial_(i, broken_handler(i), l)) {
-        for (auto& x : lanes_) x->fail(ec);
+        for (auto& x : lanes_) on_strand_of(x, [x, ec] { x->fail(ec); });
         co_return ec;
       }
       lanes_.push_back(std::move(l));
     }
     weights_.assign(lanes_.size(), 1.0);
+    outbox_.resize(lanes_.size());
     pending_.resize(lanes_.size());
     redialing_.assign(lanes_.size(), false);
     co_return std::error_code{};
@@ -69,59 +84,93 @@ class path final : public data_path, public std::enable_shared_from_this<path> {
 
   std::span<const double> lane_weights() const noexcept override { return weights_; }
   void start() override {
-    for (auto& l : lanes_) l->start();
+    for (auto& l : lanes_) on_strand_of(l, [l] { l->start(); });
   }
   void enqueue(std::size_t i, const slice_ref& s) override {
     if (redialing_[i]) {
       pending_[i].push_back(s);
     } else {
-      lanes_[i]->enqueue(s);
+      outbox_[i].push_back(s);
     }
   }
   void pump() override {
-    for (std::size_t i = 0; i < lanes_.size(); ++i) {
-      if (!redialing_[i]) lanes_[i]->pump();
+    for (std::size_t i = 0; i < outbox_.size(); ++i) {
+      if (outbox_[i].empty()) continue;
+      auto batch = std::move(outbox_[i]);
+      outbox_[i] = {};
+      if (failed_) {  // failed since the engine checked: never sent
+        for (const auto& s : batch) host_.slice_done(s.op, 0, failure_);
+        continue;
+      }
+      auto l = lanes_[i];
+      on_strand_of(l, [l, batch = std::move(batch)] {
+        for (const auto& s : batch) l->enqueue(s);
+        l->pump();
+      });
     }
   }
   std::size_t drop_queued(const detail::transfer_op* op) override {
     std::size_t n = 0;
-    for (std::size_t i = 0; i < lanes_.size(); ++i) {
+    for (std::size_t i = 0; i < outbox_.size(); ++i) {
+      n += std::erase_if(outbox_[i], [op](const slice_ref& s) { return s.op == op; });
       n += std::erase_if(pending_[i], [op](const slice_ref& s) { return s.op == op; });
-      if (!redialing_[i]) n += lanes_[i]->drop_queued(op);
+    }
+    // What the lanes hold they resolve themselves (errc::cancelled).
+    for (std::size_t i = 0; i < lanes_.size(); ++i) {
+      if (redialing_[i]) continue;
+      auto l = lanes_[i];
+      on_strand_of(l, [l] { l->purge(); });
     }
     return n;
   }
   bool has_in_flight(const detail::transfer_op* op) const override {
-    for (std::size_t i = 0; i < lanes_.size(); ++i) {
-      if (!redialing_[i] && lanes_[i]->has_in_flight(op)) return true;
-    }
-    return false;
+    (void)op;
+    return !lanes_.empty();  // the lanes know; fence() asks them
   }
   /// Closing a lane's socket is the only way to stop the kernel from
   /// touching its slices' memory: the lanes carrying `op` close.
   void fence(const detail::transfer_op* op, std::error_code ec) override {
-    auto lanes = lanes_;
-    for (std::size_t i = 0; i < lanes.size(); ++i) {
-      if (!redialing_[i] && lanes[i]->has_in_flight(op)) lanes[i]->fail(ec);
+    for (std::size_t i = 0; i < lanes_.size(); ++i) {
+      if (redialing_[i]) continue;
+      auto l = lanes_[i];
+      on_strand_of(l, [l, op, ec] {
+        if (l->carries(op)) l->fail(ec);
+      });
     }
   }
   void fail(std::error_code ec) override {
     if (failed_) return;
     failed_ = true;
-    auto lanes = lanes_;
+    failure_ = ec;
+    auto lanes = std::move(lanes_);
+    lanes_.clear();  // the lanes no longer keep the engine alive through us
     for (std::size_t i = 0; i < lanes.size(); ++i) {
-      if (!redialing_[i]) lanes[i]->fail(ec);
+      if (!redialing_[i]) {
+        auto l = lanes[i];
+        on_strand_of(l, [l, ec] { l->fail(ec); });
+      }
       auto pending = std::move(pending_[i]);
       pending_[i].clear();
+      auto queued = std::move(outbox_[i]);
+      outbox_[i].clear();
       for (const auto& s : pending) host_.slice_done(s.op, 0, ec);
+      for (const auto& s : queued) host_.slice_done(s.op, 0, ec);
     }
     if (auto cb = std::move(on_failure_)) cb(ec);
   }
 
  private:
   lane::broken_fn broken_handler(std::uint32_t i) {
-    return [w = weak_from_this(), i](std::deque<slice_ref> survivors) {
-      if (auto self = w.lock()) self->redial(i, std::move(survivors));
+    // Called on the lane's strand; the path lives on the engine's.
+    std::weak_ptr<transport_host> host = host_.keep_alive();
+    return [w = weak_from_this(), ex = ex_, host, i](std::deque<slice_ref> survivors) {
+      asio::post(ex, [w, host, i, survivors = std::move(survivors)]() mutable {
+        if (auto self = w.lock()) {
+          self->redial(i, std::move(survivors));
+        } else if (auto h = host.lock()) {  // the path is gone: nobody carries them
+          for (const auto& s : survivors) h->slice_done(s.op, 0, errc::peer_closed);
+        }
+      });
     };
   }
 
@@ -132,6 +181,8 @@ class path final : public data_path, public std::enable_shared_from_this<path> {
       return;
     }
     redialing_[i] = true;
+    for (auto& s : outbox_[i]) pending_[i].push_back(s);
+    outbox_[i].clear();
     for (auto& s : survivors) pending_[i].push_back(s);
     asio::co_spawn(
         ex_,
@@ -139,12 +190,11 @@ class path final : public data_path, public std::enable_shared_from_this<path> {
           std::shared_ptr<lane> l;
           const auto ec = co_await self->dial_(i, self->broken_handler(i), l);
           if (self->failed_) {
-            if (l) l->fail(errc::cancelled);
+            if (l) on_strand_of(l, [l] { l->fail(errc::cancelled); });
             co_return;
           }
           if (ec) {
             self->redialing_[i] = false;
-            self->lanes_[i]->fail(ec);  // already failed: reports nothing more
             self->fail(ec);
             co_return;
           }
@@ -152,9 +202,11 @@ class path final : public data_path, public std::enable_shared_from_this<path> {
           self->redialing_[i] = false;
           auto pending = std::move(self->pending_[i]);
           self->pending_[i].clear();
-          for (const auto& s : pending) l->enqueue(s);
-          l->start();
-          l->pump();
+          on_strand_of(l, [l, pending = std::move(pending)] {
+            for (const auto& s : pending) l->enqueue(s);
+            l->start();
+            l->pump();
+          });
         },
         asio::detached);
   }
@@ -165,8 +217,10 @@ class path final : public data_path, public std::enable_shared_from_this<path> {
   std::function<void(std::error_code)> on_failure_;
   std::vector<std::shared_ptr<lane>> lanes_;
   std::vector<double> weights_;
+  std::vector<std::vector<slice_ref>> outbox_;  // enqueued, not yet handed to the lane
   std::vector<std::deque<slice_ref>> pending_;  // a redialing lane's slices
   std::vector<bool> redialing_;
+  std::error_code failure_;
   bool failed_ = false;
 };
 
@@ -185,7 +239,7 @@ class transport final : public kvlink::transport, public std::enable_shared_from
 
   void shutdown() override {
     for (auto& w : servers_) {
-      if (auto s = w.lock()) s->close();
+      if (auto s = w.lock()) on_strand_of(s, [s] { s->close(); });
     }
     servers_.clear();
   }
@@ -194,7 +248,11 @@ class transport final : public kvlink::transport, public std::enable_shared_from
   /// close() unpins what its frames held.
   void revoke(segment_id id) override {
     for (auto& w : servers_) {
-      if (auto s = w.lock(); s && s->holds(id)) s->close();
+      if (auto s = w.lock()) {
+        on_strand_of(s, [s, id] {
+          if (s->holds(id)) s->close();
+        });
+      }
     }
   }
 
@@ -210,18 +268,22 @@ class transport final : public kvlink::transport, public std::enable_shared_from
 
   asio::awaitable<std::error_code> connect(path_context ctx,
                                            std::shared_ptr<data_path>& out) override {
-    // One lane that fails for good fails the path once; its owner hears of it.
+    // One lane that fails for good fails the path once; its owner hears of
+    // it on the engine's strand (lanes fail on their own).
     auto on_failure = std::make_shared<std::function<void(std::error_code)>>(ctx.on_failure);
     auto fail_once = [on_failure](std::error_code ec) {
       if (auto cb = std::move(*on_failure)) cb(ec);
     };
+    auto lane_failed = [fail_once, ex = env_.executor](std::error_code ec) {
+      asio::post(ex, [fail_once, ec] { fail_once(ec); });
+    };
     auto dial = [w = weak_from_this(), endpoint = ctx.endpoint, peer = ctx.peer,
                  session = ctx.session,
-                 fail_once](std::uint32_t i, lane::broken_fn on_broken,
-                            std::shared_ptr<lane>& l) -> asio::awaitable<std::error_code> {
+                 lane_failed](std::uint32_t i, lane::broken_fn on_broken,
+                              std::shared_ptr<lane>& l) -> asio::awaitable<std::error_code> {
       auto self = w.lock();
       if (!self) co_return errc::cancelled;
-      co_return co_await self->dial_lane(endpoint, peer, session, i, fail_once,
+      co_return co_await self->dial_lane(endpoint, peer, session, i, lane_failed,
                                          std::move(on_broken), l);
     };
     auto p = std::make_shared<path>(env_.executor, *env_.host, std::move(dial), fail_once);
@@ -234,11 +296,27 @@ class transport final : public kvlink::transport, public std::enable_shared_from
                    std::shared_ptr<void> lease) override {
     (void)h;
     control::tune_socket(socket, socket_options());
-    auto server = std::make_shared<lane_server>(std::move(socket), *env_.registry, *env_.host,
+    // The connection moves to a strand of its own: served lanes of one or
+    // many initiators run on as many cores as run the io_context.
+    std::error_code ec;
+    const auto protocol = socket.local_endpoint(ec).protocol();
+    const auto fd = ec ? -1 : socket.release(ec);
+    if (ec || fd < 0) {
+      std::error_code ignored;
+      socket.close(ignored);
+      return;
+    }
+    asio::ip::tcp::socket own(env_.io_strand());
+    own.assign(protocol, fd, ec);
+    if (ec) {
+      ::close(fd);
+      return;
+    }
+    auto server = std::make_shared<lane_server>(std::move(own), *env_.registry, *env_.host,
                                                 cfg_.max_frame_payload, std::move(lease));
     std::erase_if(servers_, [](const auto& w) { return w.expired(); });
     servers_.push_back(server);
-    server->start();
+    on_strand_of(server, [server] { server->start(); });
   }
 
  private:
@@ -248,7 +326,7 @@ class transport final : public kvlink::transport, public std::enable_shared_from
                                              std::function<void(std::error_code)> on_failure,
                                              lane::broken_fn on_broken,
                                              std::shared_ptr<lane>& out) {
-    asio::ip::tcp::socket s(env_.executor);
+    asio::ip::tcp::socket s(env_.io_strand());  // the lane's own strand
     nlohmann::json welcome;
     const std::array<asio::ip::tcp::endpoint, 1> eps{endpoint};
     control::hello hello;

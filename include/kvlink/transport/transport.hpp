@@ -10,11 +10,13 @@
 // lanes, completion fan-in, deadlines, the fence, notifications) lives once,
 // in the engine.
 //
-// Threads: the engine calls every member on its strand except
-// register_memory(), unregister_memory() and segment_key(), which may be
-// called from any thread. Paths run on the executor the environment names
-// (the engine's strand today; a strand of their own when data moves on
-// several cores).
+// Threads: the engine calls every member of a transport and of a data path
+// on its strand, except register_memory(), unregister_memory() and
+// segment_key(), which may be called from any thread. What a path does I/O
+// on is its own business: TCP gives each lane (and each served lane) a
+// strand of its own on the engine's executor (transport_env::io), so an
+// io_context run by N threads moves data on up to N cores. The
+// transport_host calls are made from any of those strands.
 #pragma once
 
 #include <kvlink/control/handshake.hpp>
@@ -37,12 +39,23 @@
 #include <asio/any_io_executor.hpp>
 #include <asio/awaitable.hpp>
 #include <asio/ip/tcp.hpp>
+#include <asio/strand.hpp>
 #include <nlohmann/json.hpp>
 
 namespace kvlink {
 
 namespace detail {
 struct transfer_op;  // the engine's state of one transfer: an opaque key to transports
+
+/// Whether the calling thread is closing an engine inline: its close() runs
+/// where no handler of the engine can run concurrently or before the
+/// caller frees its memory (inside the one thread that runs its io_context,
+/// or with the io_context stopped). Transports then close their
+/// connections directly instead of on the connections' strands.
+inline bool& closing_inline() noexcept {
+  thread_local bool flag = false;
+  return flag;
+}
 }  // namespace detail
 
 /// One slice as a transport sees it: where the local bytes are, where they go
@@ -60,21 +73,40 @@ struct slice_ref {
   bool checksum = false;
 };
 
-/// The engine, as its transports see it.
+/// One finished slice, for transport_host::slices_done.
+struct slice_report {
+  detail::transfer_op* op = nullptr;
+  std::uint64_t bytes = 0;
+  std::error_code ec;
+};
+
+/// The engine, as its transports see it. Every member may be called from
+/// any thread.
 class transport_host {
  public:
   /// A slice finished: `bytes` reached their destination, or `ec` says why
   /// not. Called exactly once per slice handed to a path, only once the
   /// transport no longer touches the slice's local memory.
   virtual void slice_done(detail::transfer_op* op, std::uint64_t bytes, std::error_code ec) = 0;
+  /// Several slices finished (one hop to the engine's strand for all).
+  virtual void slices_done(std::span<const slice_report> done) {
+    for (const auto& d : done) slice_done(d.op, d.bytes, d.ec);
+  }
   /// Whether the slice's transfer is stopping (failed, cancelled, past its
-  /// deadline): a transport retries nothing for it.
+  /// deadline): a transport retries nothing for it, and may resolve its
+  /// slices not yet sent with errc::cancelled instead of sending them. Valid
+  /// while the transport holds one of the transfer's slices.
   virtual bool stopping(const detail::transfer_op* op) const noexcept = 0;
   /// Target side: a peer's validated access is about to touch (pin) or has
   /// finished touching (unpin) a registered segment. Unregistration waits
-  /// until no pin is left.
-  virtual void pin(segment_id id) = 0;
+  /// until no pin is left. pin() is false when the segment is being
+  /// unregistered (it was checked, then removed, on another thread): the
+  /// access must be refused (not_registered), and not unpinned.
+  [[nodiscard]] virtual bool pin(segment_id id) = 0;
   virtual void unpin(segment_id id) = 0;
+  /// Keeps the host alive: a path or lane whose handlers may run after the
+  /// engine closed holds it (null: the host outlives its transports).
+  virtual std::shared_ptr<transport_host> keep_alive() { return nullptr; }
 
  protected:
   ~transport_host() = default;
@@ -93,16 +125,22 @@ class data_path {
   /// Queues a slice on a lane; pump() sends what the lanes' windows allow.
   virtual void enqueue(std::size_t lane, const slice_ref& s) = 0;
   virtual void pump() = 0;
-  /// Removes queued (not yet sent) slices of `op` and returns how many. They
-  /// are not reported through slice_done: the caller accounts for them.
+  /// `op` is stopping: removes its queued (not yet sent) slices. Those it
+  /// removes here are counted in the result and not reported through
+  /// slice_done (the caller accounts for them); a path whose lanes run on
+  /// strands of their own resolves the ones they hold later, through
+  /// slice_done with errc::cancelled.
   virtual std::size_t drop_queued(const detail::transfer_op* op) = 0;
+  /// Whether slices of `op` may be in flight (true when the path cannot
+  /// tell from the engine's strand).
   virtual bool has_in_flight(const detail::transfer_op* op) const = 0;
   /// The fence: `op`'s in-flight slices did not drain in time. Stop whatever
   /// carries them; each is reported through slice_done once nothing can
-  /// touch its memory any more.
+  /// touch its memory any more (possibly after this returns).
   virtual void fence(const detail::transfer_op* op, std::error_code ec) = 0;
   /// Stops the path for good: every queued and in-flight slice is reported
-  /// with `ec`, each only once nothing touches its memory.
+  /// with `ec`, each only once nothing touches its memory (possibly after
+  /// this returns).
   virtual void fail(std::error_code ec) = 0;
   /// A message the peer's transport sent back over the control channel
   /// (answers to this path's requests).
@@ -141,6 +179,14 @@ struct transport_env {
   std::uint64_t max_control_message = 1 << 20;
   /// The shared secret connections prove (null or without one: none).
   const control::peer_guard* guard = nullptr;
+  /// The executor the engine was given (its strand runs on it): transports
+  /// make strands of their own on it for their I/O. Empty: use `executor`.
+  asio::any_io_executor io{};
+
+  /// A new strand for one connection's I/O (the engine's strand without `io`).
+  asio::any_io_executor io_strand() const {
+    return io ? asio::any_io_executor(asio::make_strand(io)) : executor;
+  }
 };
 
 class transport {
@@ -170,7 +216,7 @@ class transport {
   virtual void unregister_memory(segment_id id) { (void)id; }
   /// Unregistration waited fence_timeout for peers' accesses to a segment:
   /// close whatever still holds it (a peer's connection that stopped
-  /// reading), releasing its pins before this returns.
+  /// reading), which releases its pins (possibly after this returns).
   virtual void revoke(segment_id id) { (void)id; }
   /// What peers need to address the segment through it (null: nothing).
   virtual nlohmann::json segment_key(segment_id id) const {
