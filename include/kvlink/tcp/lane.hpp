@@ -192,12 +192,19 @@ class lane final : public std::enable_shared_from_this<lane> {
     auto queue = std::move(queue_);
     inflight_.clear();
     queue_.clear();
-    for (const auto& s : inflight) host_.slice_done(s.op, 0, ec);
-    for (const auto& s : queue) host_.slice_done(s.op, 0, ec);
+    // The path hears first: the engine marks the peer lost before the
+    // transfers these slices belong to complete (both reach the engine's
+    // strand in this order), so a handler that sees peer_closed also sees
+    // the peer disconnected.
     if (on_failure_) {
       auto cb = std::move(on_failure_);
       cb(ec);
     }
+    std::vector<slice_report> lost;
+    lost.reserve(inflight.size() + queue.size());
+    for (const auto& s : inflight) lost.push_back(slice_report{s.op, 0, ec});
+    for (const auto& s : queue) lost.push_back(slice_report{s.op, 0, ec});
+    if (!lost.empty()) host_.slices_done(lost);
   }
 
  private:
