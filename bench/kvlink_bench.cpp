@@ -33,6 +33,7 @@
 #include <csignal>
 #include <cstdio>
 #include <cstdlib>
+#include <cstring>
 #include <functional>
 #include <limits>
 #include <numeric>
@@ -174,7 +175,7 @@ kvlink::config make_config(const engine_options& e) {
   if (ec) throw usage_error(what);
   cfg.transports = e.transport;
   if (e.checksums) cfg.checksums = true;
-  if (e.lanes != 0) cfg.tcp.lanes = e.lanes;
+  if (e.lanes != 0) cfg.tcp.lanes = cfg.shm.lanes = e.lanes;
   if (!e.slice_size.empty()) cfg.slice_size = parse_bytes("--slice-size", e.slice_size);
   if (e.max_inflight != 0) cfg.tcp.max_inflight_per_lane = e.max_inflight;
   if (!e.socket_buffer.empty()) {
@@ -208,7 +209,10 @@ void add_engine_options(CLI::App* app, engine_options& e, bool lanes) {
                   "TCP lanes run on strands of their own, so data moves on up to this many cores")
       ->capture_default_str()
       ->check(CLI::Range(1u, 256u));
-  if (lanes) app->add_option("--lanes", e.lanes, "TCP connections per peer (default: config, 2)");
+  if (lanes) {
+    app->add_option("--lanes", e.lanes,
+                    "TCP connections (or shm copy lanes) per peer (default: config, 2)");
+  }
   app->add_option("--slice-size", e.slice_size, "planner slice size (default 1MiB)");
   app->add_option("--max-inflight", e.max_inflight, "slices in flight per lane (default 32)");
   app->add_option("--socket-buffer", e.socket_buffer, "SO_SNDBUF/SO_RCVBUF, 0 = kernel default");
@@ -351,6 +355,8 @@ struct kv_row {
   std::uint32_t slices = 0;
   std::vector<double> ms;  // sorted
   std::error_code error;
+  /// Same-host rows: a single-core memcpy of the same requests, GB/s (0: none).
+  double memcpy_gb_per_s = 0;
 
   double median_ms() const {
     if (ms.empty()) return 0;
@@ -377,6 +383,42 @@ std::vector<std::uint32_t> remote_ids(std::uint32_t n, bool scattered) {
   for (std::uint32_t i = 0; i < n; ++i)
     ids[i] = static_cast<std::uint32_t>(std::uint64_t{i} * s % n);
   return ids;
+}
+
+// A single-core memcpy of the same requests (lengths and local sources),
+// into a scratch buffer laid end to end (wrapping at 256 MiB): the reference
+// for a same-host transport, which at best is one copy. GB/s, median.
+double memcpy_reference(const std::vector<kvlink::transfer_request>& reqs, std::uint64_t bytes,
+                        std::uint32_t warmup, std::uint32_t iterations) {
+  std::uint64_t largest = 0;
+  for (const auto& r : reqs) largest = std::max(largest, r.length);
+  const std::uint64_t size =
+      std::max<std::uint64_t>(std::min<std::uint64_t>(bytes, 256u << 20), largest);
+  static std::vector<std::byte> scratch;
+  if (scratch.size() < size) {
+    scratch.assign(size, std::byte{1});  // touched: no page faults in the timing
+  }
+  std::vector<double> ms;
+  for (std::uint32_t it = 0; it < warmup + iterations; ++it) {
+    std::uint64_t at = 0;
+    const auto t0 = kb::clock_type::now();
+    for (const auto& r : reqs) {
+      if (at + r.length > size) at = 0;
+      const bool pull = r.op == kvlink::opcode::read;  // a READ lands in local memory
+      std::byte* local = static_cast<std::byte*>(r.local);
+      if (pull) {
+        std::memcpy(local, scratch.data() + at, r.length);
+      } else {
+        std::memcpy(scratch.data() + at, local, r.length);
+      }
+      at += r.length;
+    }
+    const double t = std::chrono::duration<double, std::milli>(kb::clock_type::now() - t0).count();
+    if (it >= warmup) ms.push_back(t);
+  }
+  std::sort(ms.begin(), ms.end());
+  const double m = ms.empty() ? 0 : ms[ms.size() / 2];
+  return m > 0 ? static_cast<double>(bytes) / (m / 1e3) / 1e9 : 0;
 }
 
 struct line_rate_info {
@@ -413,7 +455,13 @@ void print_kv(const kv_options& o, const model_shape& shape, const line_rate_inf
               const std::vector<kv_row>& rows) {
   const auto& l = shape.layout;
   const double line = rate.gb_per_s;
-  auto share = [&](const kv_row& r) { return line > 0 ? 100.0 * r.gb_per_s() / line : 0.0; };
+  // Same-host rows compare with a memcpy of their own requests; others with
+  // the line rate.
+  auto share = [&](const kv_row& r) {
+    const double ref = r.memcpy_gb_per_s > 0 ? r.memcpy_gb_per_s : line;
+    return ref > 0 ? 100.0 * r.gb_per_s() / ref : 0.0;
+  };
+  const bool by_memcpy = !rows.empty() && rows.front().memcpy_gb_per_s > 0;
   if (o.json) {
     nlohmann::json j;
     j["model"] = shape.label;
@@ -448,6 +496,10 @@ void print_kv(const kv_options& o, const model_shape& shape, const line_rate_inf
                        {"gb_per_s", r.gb_per_s()},
                        {"gib_per_s", r.gib_per_s()}};
       x["line_rate_share"] = line > 0 ? nlohmann::json(share(r) / 100) : nlohmann::json(nullptr);
+      if (r.memcpy_gb_per_s > 0) {
+        x["memcpy_gb_per_s"] = r.memcpy_gb_per_s;
+        x["memcpy_share"] = share(r) / 100;
+      }
       x["error"] = r.error ? r.error.message() : std::string{};
       j["rows"].push_back(std::move(x));
     }
@@ -486,11 +538,19 @@ void print_kv(const kv_options& o, const model_shape& shape, const line_rate_inf
       "# time = median of {} runs (after {} warm-up) from submit to completion, "
       "notification included; spread = min..max\n",
       o.iterations, o.warmup);
-  fmt::print("# line rate: {}\n",
-             line > 0 ? fmt::format("{:.2f} GB/s, {}", line, rate.source) : rate.source);
+  if (by_memcpy) {
+    fmt::print(
+        "# reference: a single-core memcpy of each row's own requests (same sizes, same bytes) "
+        "in this process, median of {} runs; memcpy% = kvlink / memcpy\n",
+        o.iterations);
+  } else {
+    fmt::print("# line rate: {}\n",
+               line > 0 ? fmt::format("{:.2f} GB/s, {}", line, rate.source) : rate.source);
+  }
   fmt::print("# MB = 10^6 B, MiB = 2^20 B, GB/s = 10^9 B/s, GiB/s = 2^30 B/s\n");
-  fmt::print("{:>7} {:>7} {:>10} {:>10} {:>9} {:>8} {:>8} {:>19} {:>6}\n", "prompt", "padded",
-             "KV MiB", "KV MB", "ms (med)", "GB/s", "GiB/s", "spread ms", "line%");
+  fmt::print("{:>7} {:>7} {:>10} {:>10} {:>9} {:>8} {:>8} {:>19} {:>7}{}\n", "prompt", "padded",
+             "KV MiB", "KV MB", "ms (med)", "GB/s", "GiB/s", "spread ms",
+             by_memcpy ? "memcpy%" : "line%", by_memcpy ? "  memcpy GB/s" : "");
   for (const auto& r : rows) {
     const double mib = static_cast<double>(r.bytes) / 1048576.0;
     const double mb = static_cast<double>(r.bytes) / 1e6;
@@ -499,10 +559,11 @@ void print_kv(const kv_options& o, const model_shape& shape, const line_rate_inf
                  r.error.message());
       continue;
     }
-    fmt::print("{:>7} {:>7} {:>10.2f} {:>10.2f} {:>9.2f} {:>8.2f} {:>8.2f} {:>19} {:>6}\n",
+    fmt::print("{:>7} {:>7} {:>10.2f} {:>10.2f} {:>9.2f} {:>8.2f} {:>8.2f} {:>19} {:>7}{}\n",
                r.prompt, r.padded, mib, mb, r.median_ms(), r.gb_per_s(), r.gib_per_s(),
                fmt::format("{:.2f}..{:.2f}", r.ms.front(), r.ms.back()),
-               line > 0 ? fmt::format("{:.1f}", share(r)) : "-");
+               line > 0 || by_memcpy ? fmt::format("{:.1f}", share(r)) : "-",
+               by_memcpy ? fmt::format("  {:>11.2f}", r.memcpy_gb_per_s) : "");
   }
 }
 
@@ -560,8 +621,9 @@ int run_kv(const kv_options& o) {
   const std::string where = target.local ? fmt::format("child process on {}", target.address)
                                          : fmt::format("{} (--connect)", target.address);
   const std::string transport = peer.transport_reason();
+  const std::uint32_t lanes = peer.transport() == "shm" ? cfg.shm.lanes : cfg.tcp.lanes;
   fmt::print(stderr, "initiator: connected to {} over {} with {} lanes\n", target.address,
-             transport, cfg.tcp.lanes);
+             transport, lanes);
 
   std::vector<kv_row> rows;
   std::vector<kvlink::transfer_request> reqs;
@@ -608,6 +670,9 @@ int run_kv(const kv_options& o) {
       }
     }
     std::sort(row.ms.begin(), row.ms.end());
+    if (!row.error && peer.transport() == "shm") {
+      row.memcpy_gb_per_s = memcpy_reference(reqs, row.bytes, o.warmup, o.iterations);
+    }
     if (row.error) {
       fmt::print(stderr, " error: {}\n", row.error.message());
       rc = 1;
@@ -630,7 +695,7 @@ int run_kv(const kv_options& o) {
       rate.gb_per_s = std::max(rate.gb_per_s, again->receiver_gb_per_s);
     }
   }
-  print_kv(o, shape, rate, where, transport, cfg.tcp.lanes, rows);
+  print_kv(o, shape, rate, where, transport, lanes, rows);
   return rc;
 }
 

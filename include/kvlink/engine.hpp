@@ -79,6 +79,7 @@
 #include <kvlink/engine/transfer.hpp>
 #include <kvlink/engine/transports.hpp>
 #include <kvlink/metadata/backend.hpp>
+#include <kvlink/shm/transport.hpp>
 #include <kvlink/tcp/transport.hpp>
 
 #include <memory>
@@ -101,6 +102,12 @@ namespace detail {
 inline const bool tcp_in_catalog = transport_catalog::global().add(
     "tcp", 100, [](const transport_env& env, const config& cfg) -> std::shared_ptr<transport> {
       return std::make_shared<tcp::transport>(env, cfg.tcp);
+    });
+// So is the same-host transport, first: a peer on this host (same kernel,
+// same PID namespace, and allowed to attach) gets one copy instead of TCP.
+inline const bool shm_in_catalog = transport_catalog::global().add(
+    "shm", 20, [](const transport_env& env, const config& cfg) -> std::shared_ptr<transport> {
+      return std::make_shared<shm::transport>(env, cfg.shm);
     });
 }  // namespace detail
 

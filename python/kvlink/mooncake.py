@@ -25,7 +25,9 @@ finds it). What differs, and why:
   through the segments the peer advertises in the handshake.
 - protocol: "tcp"; "rdma" uses kvlink's RDMA transport where this build has
   it and the machine a usable device, and TCP otherwise, saying so on the
-  "kvlink.mooncake" logger. MC_FORCE_TCP forces TCP. Other protocols
+  "kvlink.mooncake" logger. Either way a peer on the same host (same kernel
+  and PID namespace, allowed to attach) gets kvlink's one-copy shm
+  transport. MC_FORCE_TCP forces TCP. Other protocols
   (nvlink, efa, hip, ...) give -1. MC_TRANSFER_TIMEOUT (seconds, at least 5,
   default 30) plus 1 s per GB bounds each transfer, as in Mooncake.
 - Failures are -1 (0 for the batch ids of the async calls) with the reason
@@ -177,16 +179,20 @@ class TransferEngine:
             return -1
         proto = (protocol or "tcp").lower()
         settings: Dict[str, Any] = {}
-        if proto == "tcp" or (proto == "rdma" and _env_true("MC_FORCE_TCP")):
+        # A peer on this host is reached with one copy (shm) whatever the
+        # protocol says; MC_FORCE_TCP=1 keeps everything on TCP.
+        if _env_true("MC_FORCE_TCP") and proto in ("tcp", "rdma"):
             settings["transports"] = "tcp"
+        elif proto == "tcp":
+            settings["transports"] = "shm,tcp"
         elif proto == "rdma":
             if _kvlink.HAS_RDMA:
-                settings["transports"] = "rdma,tcp"
+                settings["transports"] = "shm,rdma,tcp"
                 if device_name:
                     settings["rdma_devices"] = device_name
             else:
                 log.warning("protocol 'rdma': this kvlink build has no RDMA transport; using TCP")
-                settings["transports"] = "tcp"
+                settings["transports"] = "shm,tcp"
         else:
             log.error("initialize: protocol %r is not available in kvlink (it has tcp and rdma)",
                       protocol)
@@ -205,7 +211,8 @@ class TransferEngine:
             return -1
         self._connect_limit = self._engine.config["connect_timeout"] / 1000 + 1
         offer = self._engine.transports
-        if proto == "rdma" and not offer.startswith("rdma"):
+        usable = offer.split(" (", 1)[0].split(",")
+        if proto == "rdma" and "rdma" not in usable:
             log.warning("protocol 'rdma': falling back to TCP: %s", offer)
         self._by_name = bool(store)
         return 0

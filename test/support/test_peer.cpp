@@ -2,7 +2,7 @@
 // tests (test/unit/engine/two_process_test.cpp).
 //
 //   kvlink_test_peer [--size BYTES] [--seed N] [--access rw|r|w]
-//                    [--config JSON] [--nofile N]
+//                    [--config JSON] [--nofile N] [--user UID]
 //
 // Starts a tcp_engine on 127.0.0.1:0, registers one segment of --size bytes
 // (default 80 MiB) filled with the pattern of --seed (default 1), granted as
@@ -22,10 +22,17 @@
 //       ends (a test kills it mid-transfer);
 //   REG <bytes> <seed>              ->  OK <segment id> | ERR <why>
 //       registers one more segment of <bytes>, filled with the pattern of
-//       <seed> (at positions from 0), granted rw.
+//       <seed> (at positions from 0), granted rw;
+//   CONNECT <address>               ->  TRANSPORT <name> <reason> | ERR <why>
+//       connects to the engine at <address> (the peer WRITE uses);
+//   WRITE <offset> <length>         ->  OK | ERR <why>
+//       WRITEs segment bytes [offset, offset + length) to the same offsets
+//       of the connected peer's first segment.
 //
 // --config: settings as JSON (kvlink::config_from_json) on top of a listen
-// address of 127.0.0.1:0; --nofile: the process's file descriptor limit.
+// address of 127.0.0.1:0; --nofile: the process's file descriptor limit;
+// --user: run as that user id (and group id) from the start, for a test run
+// as root that needs a peer of another user.
 //
 // EOF on stdin: the engine is destroyed and the process exits 0. Exit 1 on a
 // set-up failure, 2 on bad arguments.
@@ -44,9 +51,11 @@
 #include <cstring>
 #include <exception>
 #include <fstream>
+#include <functional>
 #include <future>
 #include <iostream>
 #include <list>
+#include <memory>
 #include <optional>
 #include <sstream>
 #include <string>
@@ -58,7 +67,10 @@
 #include <asio/executor_work_guard.hpp>
 #include <asio/io_context.hpp>
 #include <asio/post.hpp>
+#include <grp.h>
+#include <sys/prctl.h>
 #include <sys/resource.h>
+#include <unistd.h>
 
 namespace {
 
@@ -107,6 +119,52 @@ void push_forever(kvlink::tcp_engine& engine, kvlink::peer p, std::byte* mem, st
                                [&engine, p, mem, len](std::error_code ec, kvlink::transfer_result) {
                                  if (!ec) push_forever(engine, p, mem, len);
                                });
+}
+
+// The peer CONNECT reached (io thread only).
+std::optional<kvlink::peer> connected;
+
+// Answers the commands that wait for the engine through `reply`, later;
+// false for the others (answer() does those).
+bool answer_later(const std::string& line, std::vector<std::byte>& mem, kvlink::tcp_engine& engine,
+                  std::function<void(std::string)> reply) {
+  std::istringstream in(line);
+  std::string verb;
+  in >> verb;
+  if (verb == "CONNECT") {
+    std::string address;
+    if (!(in >> address)) {
+      reply("ERR CONNECT needs <address>");
+      return true;
+    }
+    engine.async_connect(address, [reply](std::error_code ec, kvlink::peer p) {
+      if (ec) {
+        reply("ERR " + ec.message());
+        return;
+      }
+      connected = p;
+      reply("TRANSPORT " + p.transport() + " " + p.transport_reason());
+    });
+    return true;
+  }
+  if (verb == "WRITE") {
+    std::uint64_t off = 0, len = 0;
+    if (!(in >> off >> len) || off > mem.size() || len > mem.size() - off) {
+      reply("ERR WRITE needs <offset> <length> within the segment");
+      return true;
+    }
+    if (!connected) {
+      reply("ERR not connected");
+      return true;
+    }
+    std::vector<kvlink::transfer_request> reqs{
+        {kvlink::opcode::write, mem.data() + off, connected->segment(std::size_t{0}), off, len}};
+    engine.async_submit_transfer(reqs, [reply](std::error_code ec, kvlink::transfer_result) {
+      reply(ec ? "ERR " + ec.message() : std::string("OK"));
+    });
+    return true;
+  }
+  return false;
 }
 
 std::string answer(const std::string& line, std::vector<std::byte>& mem,
@@ -193,6 +251,17 @@ int main(int argc, char** argv) {
       } catch (const std::exception& e) {
         return usage((std::string("--config: ") + e.what()).c_str());
       }
+    } else if (arg == "--user") {
+      std::uint64_t uid = 0;
+      if (!parse_u64(value, uid)) return usage("--user needs a user id");
+      // Groups first, while we may still change them; the parent-death
+      // signal is cleared by a change of credentials, so it is set again.
+      if (::setgroups(0, nullptr) != 0 || ::setgid(static_cast<gid_t>(uid)) != 0 ||
+          ::setuid(static_cast<uid_t>(uid)) != 0) {
+        return usage("--user: cannot change to that user (not root?)");
+      }
+      ::prctl(PR_SET_PDEATHSIG, SIGKILL);
+      ::prctl(PR_SET_DUMPABLE, 1);
     } else if (arg == "--nofile") {
       std::uint64_t n = 0;
       if (!parse_u64(value, n) || n == 0) return usage("--nofile needs a positive count");
@@ -220,9 +289,12 @@ int main(int argc, char** argv) {
     std::cout << "ADDR " << engine->local_address() << std::endl;  // endl flushes
     std::string line;
     while (std::getline(std::cin, line)) {
-      std::promise<std::string> reply;
-      auto fut = reply.get_future();
-      asio::post(io, [&] { reply.set_value(answer(line, mem, more, *engine)); });
+      auto reply = std::make_shared<std::promise<std::string>>();
+      auto fut = reply->get_future();
+      asio::post(io, [&, reply] {
+        auto later = [reply](std::string a) { reply->set_value(std::move(a)); };
+        if (!answer_later(line, mem, *engine, later)) later(answer(line, mem, more, *engine));
+      });
       std::cout << fut.get() << std::endl;
       if (!std::cout) break;  // nobody reads our replies any more
     }
@@ -236,6 +308,7 @@ int main(int argc, char** argv) {
     work.reset();
     io.stop();
     runner.join();
+    connected.reset();  // nothing runs the io_context any more
     engine.reset();
     return 0;
   } catch (const std::exception& e) {

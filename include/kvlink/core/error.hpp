@@ -38,11 +38,12 @@ enum class errc : int {
   limit_exceeded,             ///< a resource limit was reached (connections, buffers)
   metadata_unavailable,       ///< the metadata store (etcd, HTTP) cannot be reached
   name_not_found,             ///< no engine of that name is published in the metadata store
+  remote_memory_fault,        ///< a peer's registered memory is not accessible (same-host copy)
 };
 
 /// The largest errc value: status fields and error codes that peers send are
 /// checked against it.
-inline constexpr errc errc_last = errc::name_not_found;
+inline constexpr errc errc_last = errc::remote_memory_fault;
 
 namespace detail {
 
@@ -115,6 +116,9 @@ class error_category_impl final : public std::error_category {
         return "no engine of that name is published in the metadata store: check the peer's "
                "config.name, that it has started, and that both engines use the same store and "
                "metadata_prefix";
+      case errc::remote_memory_fault:
+        return "the peer's registered memory is not accessible (it was unmapped or freed without "
+               "being unregistered first): that transfer failed";
     }
     return "unknown kvlink error";
   }

@@ -18,6 +18,7 @@
 #include <kvlink/core/settings.hpp>
 #include <kvlink/metadata/config.hpp>
 #include <kvlink/rdma/config.hpp>
+#include <kvlink/shm/config.hpp>
 #include <kvlink/tcp/config.hpp>
 
 #include <algorithm>
@@ -92,6 +93,7 @@ struct config {
 
   tcp_config tcp{};
   rdma_config rdma{};
+  shm_config shm{};
   metadata_config metadata{};
 
   friend bool operator==(const config&, const config&) = default;
@@ -170,6 +172,7 @@ inline std::span<const setting_info> config_table() {
     lift_settings(t, "engine", engine_settings);
     lift_settings(t, "tcp", &config::tcp, tcp_settings);
     lift_settings(t, "rdma", &config::rdma, rdma_settings);
+    lift_settings(t, "shm", &config::shm, shm_settings);
     lift_settings(t, "metadata", &config::metadata, metadata_settings);
     return t;
   }();
@@ -199,7 +202,8 @@ inline const setting_info* find_setting(std::string_view name) noexcept {
 ///    (a notification travels inside a control message);
 ///  - at most one of auth_secret and auth_secret_file;
 ///  - name: at most 255 bytes, no control characters;
-///  - each transport's own rules (tcp/config.hpp, rdma/config.hpp) and the
+///  - each transport's own rules (tcp/config.hpp, rdma/config.hpp,
+///    shm/config.hpp) and the
 ///    metadata settings' (metadata/config.hpp).
 inline std::error_code validate(const config& c, std::string* what = nullptr) {
   using detail::fail;
@@ -277,6 +281,7 @@ inline std::error_code validate(const config& c, std::string* what = nullptr) {
     }
   }
   if (auto ec = validate(c.metadata, what)) return ec;
+  if (auto ec = validate(c.shm, what)) return ec;
   return validate(c.rdma, what);
 }
 

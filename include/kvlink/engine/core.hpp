@@ -101,14 +101,28 @@ class engine_core final : public transport_host,
           if (it == session_keys_.end()) return std::nullopt;
           return it->second;
         }};
-    const transport_env env{asio::any_io_executor(strand_),
-                            this,
-                            &registry_,
-                            self_,
-                            cfg_.connect_timeout,
-                            cfg_.max_control_message,
-                            &guard_,
-                            strand_.get_inner_executor()};
+    transport_env env{asio::any_io_executor(strand_),
+                      this,
+                      &registry_,
+                      self_,
+                      cfg_.connect_timeout,
+                      cfg_.max_control_message,
+                      &guard_,
+                      strand_.get_inner_executor()};
+    // The transports live no longer than the engine.
+    env.session_send = [this](const void* session, std::string_view name, nlohmann::json body) {
+      for (const auto& s : sessions_) {
+        if (s.get() != session || s->closed()) continue;
+        s->send(control::make_transport_message(name, std::move(body)));
+        return true;
+      }
+      return false;
+    };
+    env.session_close = [this](const void* session, std::error_code why) {
+      for (const auto& s : sessions_) {
+        if (s.get() == session) s->close(why);
+      }
+    };
     std::vector<std::shared_ptr<transport>> made;
     std::string what;
     const std::string wanted =
@@ -244,7 +258,9 @@ class engine_core final : public transport_host,
         return;
       }
       self->unpin_waiters_.emplace(id, std::move(h));
-      // The last unpin may have run on another strand in between.
+      self->waiting(1);
+      // The last unpin may have run on another strand in between (before
+      // it could see the waiter).
       self->release_unpin_waiters(id);
       if (!self->unpin_waiters_.contains(id)) return;
       auto timer = std::make_shared<asio::steady_timer>(self->strand_, self->cfg_.fence_timeout);
@@ -401,6 +417,8 @@ class engine_core final : public transport_host,
         return;
       }
       self->close_waiters_.push_back(std::move(fn));
+      self->waiting(1);
+      self->release_unpin_waiters(segment_id{});  // the last unpin may have run in between
     });
   }
 
@@ -437,6 +455,10 @@ class engine_core final : public transport_host,
     return true;
   }
 
+  // The last unpin of a segment wakes the engine's strand only when an
+  // unregistration or a close waits: a target serving frames unpins after
+  // almost every one, from its lanes' strands. waiting_ and the counts share
+  // the mutex, so a waiter added after the check re-checks the counts itself.
   void unpin(segment_id id) override {
     {
       std::lock_guard lock{pins_mutex_};
@@ -444,6 +466,7 @@ class engine_core final : public transport_host,
       if (it == pins_.end()) return;
       if (--it->second > 0) return;
       pins_.erase(it);
+      if (waiting_ == 0) return;
     }
     if (strand_.running_in_this_thread()) {
       release_unpin_waiters(id);
@@ -456,6 +479,12 @@ class engine_core final : public transport_host,
 
   std::shared_ptr<transport_host> keep_alive() override {
     return std::shared_ptr<transport_host>(shared_from_this(), static_cast<transport_host*>(this));
+  }
+
+  // Strand-only: counts waiters in or out (unpin reads the count).
+  void waiting(std::ptrdiff_t n) {
+    std::lock_guard lock{pins_mutex_};
+    waiting_ = static_cast<std::size_t>(static_cast<std::ptrdiff_t>(waiting_) + n);
   }
 
   std::size_t pins_total() const {
@@ -478,6 +507,7 @@ class engine_core final : public transport_host,
       // be destroyed by the thread that waited for it.
       auto waiters = std::move(close_waiters_);
       close_waiters_.clear();
+      waiting(-static_cast<std::ptrdiff_t>(waiters.size()));
       asio::post(strand_, [self = shared_from_this(), waiters = std::move(waiters)] {
         for (const auto& fn : waiters) fn();
       });
@@ -487,6 +517,7 @@ class engine_core final : public transport_host,
     std::vector<plain_handler> ready;
     for (auto w = first; w != last; ++w) ready.push_back(std::move(w->second));
     unpin_waiters_.erase(first, last);
+    waiting(-static_cast<std::ptrdiff_t>(ready.size()));
     for (auto& h : ready) h.complete({});
   }
 
@@ -1075,6 +1106,7 @@ class engine_core final : public transport_host,
   std::set<std::string> refusals_logged_;
   mutable std::mutex pins_mutex_;
   std::unordered_map<segment_id, std::size_t> pins_;  // guarded by pins_mutex_
+  std::size_t waiting_ = 0;  // unpin_waiters_ + close_waiters_; guarded by pins_mutex_
   std::vector<std::function<void()>> close_waiters_;  // when_closed()
   std::multimap<segment_id, plain_handler> unpin_waiters_;
   notification_inbox inbox_;

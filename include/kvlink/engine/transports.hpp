@@ -1,6 +1,6 @@
 // Which transports a program has, and how an engine makes them from its
 // config. The catalog is filled by the headers that bring a transport:
-// engine.hpp adds "tcp"; kvlink/rdma.hpp adds "rdma" (so a program that
+// engine.hpp adds "shm" and "tcp"; kvlink/rdma.hpp adds "rdma" (so a program that
 // includes it and links kvlink::rdma has RDMA); a test adds its in-process
 // transport. An engine then makes those its config.transports names, in
 // that order (empty: every transport of the catalog, by rank).

@@ -9,7 +9,9 @@
 // descriptor has an entry for it, and the transport says that entry is
 // reachable. TCP chosen after a preferred transport was passed over is a
 // fallback, refused (errc::transport_unavailable) when the configuration
-// forbids it. Never silent: the reason names every transport passed over.
+// forbids it; passing over a same-host transport (shm) is not. Never
+// silent: the reason names every transport passed over ("tcp (shm: the peer
+// runs on another host)").
 #pragma once
 
 #include <kvlink/core/error.hpp>
@@ -50,19 +52,21 @@ class transport_set {
   /// other than TCP). When not, `why` says so.
   bool usable(std::string& why) const {
     bool any = false;
+    bool preferred = false;  // a network transport other than TCP is configured
     bool any_preferred = false;
     std::string reasons;
     for (const auto& t : all_) {
+      const bool network_preferred = t->name() != "tcp" && !t->local_only();
+      preferred = preferred || network_preferred;
       if (t->available()) {
         any = true;
-        if (t->name() != "tcp") any_preferred = true;
+        if (network_preferred) any_preferred = true;
         continue;
       }
       reasons += reasons.empty() ? "" : "; ";
       reasons += std::string(t->name()) + ": " + t->unavailable_reason();
     }
-    const bool only_tcp = all_.size() == 1 && all_[0]->name() == "tcp";
-    if (!any || (!allow_tcp_fallback_ && !only_tcp && !any_preferred)) {
+    if (!any || (!allow_tcp_fallback_ && preferred && !any_preferred)) {
       why = reasons.empty() ? "no transport configured" : reasons;
       return false;
     }
@@ -113,7 +117,9 @@ class transport_set {
       }
       passed += passed.empty() ? "" : "; ";
       passed += name + ": " + why;
-      passed_preferred = passed_preferred || name != "tcp";
+      // Passing over a same-host transport (the peer is elsewhere, or
+      // refuses it) is said in the reason, but makes no TCP a fallback.
+      passed_preferred = passed_preferred || (name != "tcp" && !t->local_only());
     }
     c.error = errc::transport_unavailable;
     c.reason = passed.empty() ? "no transport configured" : passed;

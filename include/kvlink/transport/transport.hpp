@@ -1,6 +1,6 @@
 // What a transport is to the engine, and what the engine is to a transport.
 //
-// A transport (tcp/, rdma/; later shared memory and CUDA IPC) moves the
+// A transport (tcp/, rdma/, shm/; later CUDA IPC) moves the
 // slices the planner cut to one peer's memory and back. It registers memory
 // with its devices, describes itself in the peer descriptor (its entry under
 // "transports" and an opaque key per segment under "keys"), says whether a
@@ -183,6 +183,15 @@ struct transport_env {
   /// make strands of their own on it for their I/O. Empty: use `executor`.
   asio::any_io_executor io{};
 
+  /// Target side: sends `body` to the peer's transport named `transport` over
+  /// the control session `session` (the key on_request was given); false
+  /// when that session is gone. Strand-only.
+  std::function<bool(const void* session, std::string_view transport, nlohmann::json body)>
+      session_send{};
+  /// Target side: closes the control session `session` (a peer that broke
+  /// the transport's rules, or kept memory past fence_timeout). Strand-only.
+  std::function<void(const void* session, std::error_code why)> session_close{};
+
   /// A new strand for one connection's I/O (the engine's strand without `io`).
   asio::any_io_executor io_strand() const {
     return io ? asio::any_io_executor(asio::make_strand(io)) : executor;
@@ -200,6 +209,10 @@ class transport {
   virtual std::string unavailable_reason() const = 0;
   /// The memory kinds it reads and writes directly.
   virtual memory_kinds reaches() const noexcept = 0;
+  /// Reaches only peers on the same host (shm): passing it over for a peer
+  /// elsewhere makes no TCP a fallback (config.allow_tcp_fallback is about
+  /// network transports).
+  virtual bool local_only() const noexcept { return false; }
   /// Starts background work (completion polling), once.
   virtual void start() {}
   /// Stops everything; its paths fail. Called once, on the strand.

@@ -60,6 +60,7 @@ kvlink::config all_changed() {
   c.rdma.gid_index = 3;
   c.rdma.qps_per_endpoint = 4;
   c.rdma.max_wr = 1024;
+  c.shm.lanes = 5;
   c.name = "decode-3";
   c.metadata.url = "etcd://10.0.0.1:2379,10.0.0.2:2379";
   c.metadata.prefix = "cluster-a/engines/";
@@ -81,7 +82,7 @@ TEST_CASE("config table has one consistent row per config field") {
   const auto table = kvlink::config_table();
   const json j = kvlink::to_json(kvlink::config{});
   CHECK(j.size() == table.size());
-  CHECK(table.size() == 42);  // settings of kvlink::config and its sections
+  CHECK(table.size() == 43);  // settings of kvlink::config and its sections
 
   std::set<std::string_view> names, envs;
   for (const auto& s : table) {

@@ -19,6 +19,7 @@ class named final : public kvlink::transport {
   named(std::string name, bool available, std::string why = {}, bool reach = true)
       : name_(std::move(name)), available_(available), why_(std::move(why)), reach_(reach) {}
   std::string_view name() const noexcept override { return name_; }
+  bool local_only() const noexcept override { return name_ == "shm"; }  // as shm::transport
   bool available() const noexcept override { return available_; }
   std::string unavailable_reason() const override { return why_; }
   kvlink::memory_kinds reaches() const noexcept override { return {kvlink::memory_kind::host}; }
@@ -110,4 +111,30 @@ TEST_CASE("transport_set: memory kinds reached") {
   CHECK_FALSE(kvlink::transport_set{{t("tcp", false, "down")}, true}.reaches(
       kvlink::memory_kind::host, why));
   CHECK(why.find("host memory") != std::string::npos);
+}
+
+TEST_CASE("transport_set: passing over a same-host transport makes no TCP a fallback") {
+  // A peer on another host: shm is passed over (said in the reason), and
+  // TCP is still allowed where a network transport's fallback is not.
+  const kvlink::transport_set strict{{t("shm"), t("tcp")}, false};
+  std::string why;
+  CHECK(strict.usable(why));
+  const json elsewhere{{"shm", {{"refuse", true}}}, {"tcp", json::object()}};
+  auto c = strict.choose(elsewhere);
+  REQUIRE(c.chosen != nullptr);
+  CHECK(c.chosen->name() == "tcp");
+  CHECK(c.reason == "tcp (shm: its entry is refused)");
+
+  // With RDMA configured and passed over, TCP is a fallback again, refused.
+  const kvlink::transport_set with_rdma{{t("shm"), t("rdma"), t("tcp")}, false};
+  c = with_rdma.choose(json{{"shm", {{"refuse", true}}}, {"tcp", json::object()}});
+  CHECK(c.chosen == nullptr);
+  CHECK(c.error == kvlink::errc::transport_unavailable);
+  // An engine with shm and RDMA but no usable RDMA device may not start
+  // without the fallback: shm alone reaches no other host.
+  const kvlink::transport_set no_device{
+      {t("shm"), t("rdma", false, "no usable RDMA device"), t("tcp")}, false};
+  CHECK_FALSE(no_device.usable(why));
+  // shm alone is usable.
+  CHECK(kvlink::transport_set({t("shm")}, false).usable(why));
 }

@@ -1,0 +1,706 @@
+// The same-host transport ("shm"): one kernel copy between two processes'
+// registered host memory with cross-memory attach (shm/cma.hpp), no socket,
+// no staging. A peer is on the same host when its descriptor entry carries
+// this kernel's boot id and this PID namespace, and we may attach to its
+// process (a probe read at connect time); otherwise the reason says which
+// of these failed, and the next transport (TCP) carries the data.
+//
+// Why cross-memory attach and not shared-memory segments: it reaches memory
+// the user already has (a torch tensor, a vLLM KV cache pool) with no
+// allocator of ours, at the speed of one memcpy (README: "Same-host
+// transfers"); shared segments would need the memory to live in them.
+//
+// The protocol, over the control channel (engine.hpp's sessions):
+//   initiator -> target  {"op":"prove","nonce":"<32 hex>"}
+//   target -> initiator  {"op":"proved","at":<address of the nonce in its memory>}
+//     the initiator reads it there: the pid it will write to is the peer's
+//     process, not one a hostile descriptor named;
+//   initiator -> target  {"op":"lease","segment":id}
+//   target -> initiator  {"op":"granted","segment":id,"base":..,"length":..,"access":"rw"}
+//                      | {"op":"refused","segment":id,"error":<errc>}
+//     a granted lease pins the segment on the target (unregistration waits
+//     for it) until the initiator gives it back;
+//   target -> initiator  {"op":"release","segment":id}   (it is being unregistered)
+//   initiator -> target  {"op":"released","segment":id}  once no copy of its
+//     lanes touches the segment any more.
+// The target's session closing (the peer died) releases its leases. A peer
+// that keeps a lease past fence_timeout is disconnected (transport::revoke).
+//
+// Trust: a process that may attach to ours could read and write all of our
+// memory anyway (the kernel's ptrace rule); the bounds, access and lease
+// rules are what keep an honest peer's copies inside registered memory.
+#pragma once
+
+#include <kvlink/control/message.hpp>
+#include <kvlink/core/error.hpp>
+#include <kvlink/core/segment_registry.hpp>
+#include <kvlink/detail/log.hpp>
+#include <kvlink/shm/cma.hpp>
+#include <kvlink/shm/config.hpp>
+#include <kvlink/transport/transport.hpp>
+
+#include <array>
+#include <atomic>
+#include <cstdint>
+#include <map>
+#include <memory>
+#include <mutex>
+#include <random>
+#include <set>
+#include <span>
+#include <string>
+#include <system_error>
+#include <unordered_map>
+#include <utility>
+#include <vector>
+
+#include <asio/any_io_executor.hpp>
+#include <asio/awaitable.hpp>
+#include <asio/post.hpp>
+#include <nlohmann/json.hpp>
+
+namespace kvlink::shm {
+
+/// What a path and its lanes share: the peer's process and whether the path
+/// failed (lanes read it from their strands).
+struct peer_process_state {
+  std::int64_t pid = 0;
+  pid_watch watch;
+  std::atomic<bool> failed{false};
+  std::atomic<int> failure{0};  // an errc value, once failed
+
+  explicit peer_process_state(std::int64_t p) : pid(p), watch(p) {}
+};
+
+/// One slice and where it lands in the peer's address space.
+struct copy_item {
+  slice_ref s;
+  std::uint64_t remote = 0;
+};
+
+/// A copy lane: runs the batches its path hands it on a strand of its own,
+/// one process_vm_{read,write}v per run of up to IOV_MAX slices of one
+/// direction, and reports them in one go.
+class lane : public std::enable_shared_from_this<lane> {
+ public:
+  using fatal_fn = std::function<void(std::error_code)>;
+
+  lane(asio::any_io_executor ex, transport_host& host, std::shared_ptr<peer_process_state> peer,
+       fatal_fn on_fatal)
+      : ex_(std::move(ex)),
+        host_(host),
+        keep_(host.keep_alive()),
+        peer_(std::move(peer)),
+        on_fatal_(std::move(on_fatal)) {}
+
+  const asio::any_io_executor& get_executor() const noexcept { return ex_; }
+
+  /// On the lane's strand.
+  void run(const std::vector<copy_item>& batch) {
+    std::vector<slice_report> done;
+    done.reserve(batch.size());
+    std::size_t i = 0;
+    while (i < batch.size()) {
+      if (peer_->failed.load(std::memory_order_acquire)) {
+        const std::error_code ec = static_cast<errc>(peer_->failure.load());
+        for (; i < batch.size(); ++i) done.push_back({batch[i].s.op, 0, ec});
+        break;
+      }
+      if (peer_->watch.exited()) {
+        fatal(errc::peer_closed);
+        continue;  // reported above, as failed
+      }
+      i = copy_run(batch, i, done);
+    }
+    if (!done.empty()) host_.slices_done(done);
+  }
+
+ private:
+  // Copies slices from `first` on, as many of one direction as one call
+  // takes; returns where the next run starts.
+  std::size_t copy_run(const std::vector<copy_item>& batch, std::size_t first,
+                       std::vector<slice_report>& done) {
+    const opcode kind = batch[first].s.kind;
+    std::array<iovec, cma::max_iov> local{};
+    std::array<iovec, cma::max_iov> remote{};
+    std::array<std::size_t, cma::max_iov> which{};
+    std::size_t n = 0;
+    std::size_t i = first;
+    for (; i < batch.size() && n < cma::max_iov && batch[i].s.kind == kind; ++i) {
+      const auto& s = batch[i].s;
+      if (host_.stopping(s.op)) {
+        done.push_back({s.op, 0, errc::cancelled});
+        continue;
+      }
+      local[n] = iovec{s.local, static_cast<std::size_t>(s.length)};
+      remote[n] = iovec{reinterpret_cast<void*>(static_cast<std::uintptr_t>(batch[i].remote)),
+                        static_cast<std::size_t>(s.length)};
+      which[n++] = i;
+    }
+    const auto dir = kind == opcode::read ? cma::direction::read : cma::direction::write;
+    std::size_t k = 0;  // slices of this run resolved so far
+    while (k < n) {
+      const ssize_t got =
+          cma::copy(static_cast<pid_t>(peer_->pid), dir, &local[k], n - k, &remote[k], n - k);
+      if (got < 0 && errno == EINTR) continue;
+      if (got < 0 && errno != EFAULT) {
+        const int err = errno;
+        const std::error_code ec = err == ESRCH   ? std::error_code(errc::peer_closed)
+                                   : err == EPERM ? std::error_code(errc::transport_unavailable)
+                                                  : std::error_code(err, std::system_category());
+        if (err == EPERM) {
+          detail::log("shm: {}", cma::refusal_reason(err, peer_->pid));
+        }
+        for (; k < n; ++k) done.push_back({batch[which[k]].s.op, 0, ec});
+        if (err == ESRCH || err == EPERM) fatal(ec);
+        break;
+      }
+      // Whole slices first; the one a fault stopped at failed.
+      std::uint64_t left = got < 0 ? 0 : static_cast<std::uint64_t>(got);
+      while (k < n && left >= local[k].iov_len) {
+        left -= local[k].iov_len;
+        done.push_back({batch[which[k]].s.op, local[k].iov_len, {}});
+        ++k;
+      }
+      if (k == n) break;
+      const auto& bad = batch[which[k]].s;
+      done.push_back({bad.op, 0, fault_in(bad, batch[which[k]].remote, dir)});
+      ++k;
+    }
+    return i;
+  }
+
+  // A copy faulted inside this slice: ours (local_memory_fault) or the
+  // peer's (remote_memory_fault)? Touches our range a byte per page, through
+  // the same kernel path, which faults where the copy did.
+  std::error_code fault_in(const slice_ref& s, std::uint64_t remote, cma::direction dir) const {
+    const long page = ::sysconf(_SC_PAGESIZE);
+    const auto step = static_cast<std::uint64_t>(page > 0 ? page : 4096);
+    const pid_t self = ::getpid();
+    for (std::uint64_t off = 0; off < s.length; off = off + step - (off % step)) {
+      std::byte b{};
+      iovec mine{&b, 1};
+      iovec at{s.local + off, 1};
+      if (::process_vm_readv(self, &mine, 1, &at, 1, 0) != 1) return errc::local_memory_fault;
+      // A READ lands in our memory: it must be writable too (the same byte
+      // back: the transfer owns these bytes until it completes).
+      if (dir == cma::direction::read && ::process_vm_writev(self, &mine, 1, &at, 1, 0) != 1) {
+        return errc::local_memory_fault;
+      }
+    }
+    detail::log(
+        "shm: the peer's registered memory (pid {}, {} bytes at {:#x}) is not accessible: "
+        "unmapped or freed without unregistering it first",
+        peer_->pid, s.length, remote);
+    return errc::remote_memory_fault;
+  }
+
+  void fatal(std::error_code ec) {
+    bool expected = false;
+    if (peer_->failed.compare_exchange_strong(expected, true)) {
+      peer_->failure.store(ec.category() == error_category() ? ec.value()
+                                                             : static_cast<int>(errc::peer_closed));
+    }
+    // The path hears first, then the slices are reported (both reach the
+    // engine's strand in that order): a transfer that fails with
+    // peer_closed finds its peer disconnected.
+    if (on_fatal_) on_fatal_(ec);
+  }
+
+  asio::any_io_executor ex_;
+  transport_host& host_;
+  std::shared_ptr<transport_host> keep_;
+  std::shared_ptr<peer_process_state> peer_;
+  fatal_fn on_fatal_;
+};
+
+/// The data path to one peer on this host, on the engine's strand: leases
+/// on the peer's segments, and the lanes that copy.
+class path final : public data_path, public std::enable_shared_from_this<path> {
+ public:
+  path(asio::any_io_executor ex, transport_host& host, path_context ctx,
+       std::shared_ptr<peer_process_state> peer)
+      : ex_(std::move(ex)), host_(host), ctx_(std::move(ctx)), peer_(std::move(peer)) {}
+
+  /// Makes the lanes (before the path is used).
+  void open(std::uint32_t count, const std::function<asio::any_io_executor()>& strand) {
+    for (std::uint32_t i = 0; i < count; ++i) {
+      // A lane that finds the peer gone tells the path on the engine's strand.
+      auto fatal = [w = weak_from_this(), ex = ex_](std::error_code ec) {
+        asio::post(ex, [w, ec] {
+          if (auto self = w.lock()) self->fail(ec);
+        });
+      };
+      lanes_.push_back(std::make_shared<lane>(strand(), host_, peer_, std::move(fatal)));
+    }
+    weights_.assign(lanes_.size(), 1.0);
+    outbox_.resize(lanes_.size());
+  }
+
+  std::span<const double> lane_weights() const noexcept override { return weights_; }
+
+  /// Proves the peer's process is the one its entry names.
+  void start() override {
+    std::random_device rd;
+    for (auto& w : nonce_) w = (static_cast<std::uint64_t>(rd()) << 32) ^ rd();
+    ctx_.send({{"op", "prove"}, {"nonce", nonce_text()}});
+  }
+
+  void enqueue(std::size_t i, const slice_ref& s) override {
+    if (failed_) {
+      rejects_.push_back({s.op, 0, failure_});
+      return;
+    }
+    if (proven_) {
+      if (const auto it = leases_.find(s.segment); it != leases_.end()) {
+        place(i, s, it->second);
+        return;
+      }
+    }
+    auto& w = waiting_[s.segment];
+    w.push_back({i, s});
+    if (w.size() == 1 && proven_) request(s.segment);
+  }
+
+  void pump() override {
+    if (!rejects_.empty()) {
+      auto r = std::move(rejects_);
+      rejects_.clear();
+      host_.slices_done(r);
+    }
+    for (std::size_t i = 0; i < outbox_.size(); ++i) {
+      if (outbox_[i].empty()) continue;
+      auto batch = std::move(outbox_[i]);
+      outbox_[i] = {};
+      auto l = lanes_[i];
+      asio::post(l->get_executor(), [l, batch = std::move(batch)] { l->run(batch); });
+    }
+  }
+
+  std::size_t drop_queued(const detail::transfer_op* op) override {
+    std::size_t n = 0;
+    for (auto& o : outbox_) {
+      n += std::erase_if(o, [op](const copy_item& c) { return c.s.op == op; });
+    }
+    for (auto& [seg, w] : waiting_) {
+      n += std::erase_if(w, [op](const auto& x) { return x.second.op == op; });
+    }
+    n += std::erase_if(rejects_, [op](const slice_report& r) { return r.op == op; });
+    // Batches posted to lanes resolve its slices with cancelled.
+    return n;
+  }
+
+  bool has_in_flight(const detail::transfer_op* op) const override {
+    (void)op;
+    return !lanes_.empty();  // batches posted to lanes finish on their own
+  }
+
+  /// A copy cannot be interrupted; each ends within one kernel call.
+  void fence(const detail::transfer_op* op, std::error_code ec) override {
+    (void)op;
+    (void)ec;
+  }
+
+  void fail(std::error_code ec) override {
+    if (failed_) return;
+    auto keep = shared_from_this();  // its owner may drop it when told below
+    failed_ = true;
+    failure_ = ec;
+    bool expected = false;
+    if (peer_->failed.compare_exchange_strong(expected, true)) {
+      peer_->failure.store(ec.category() == error_category() ? ec.value()
+                                                             : static_cast<int>(errc::peer_closed));
+    }
+    std::vector<slice_report> r = std::move(rejects_);
+    rejects_.clear();
+    for (auto& o : outbox_) {
+      for (const auto& c : o) r.push_back({c.s.op, 0, ec});
+      o.clear();
+    }
+    for (auto& [seg, w] : waiting_) {
+      for (const auto& x : w) r.push_back({x.second.op, 0, ec});
+    }
+    waiting_.clear();
+    lanes_.clear();  // posted batches hold their lane; they resolve as failed
+    if (auto cb = std::move(ctx_.on_failure)) cb(ec);
+    if (!r.empty()) host_.slices_done(r);
+  }
+
+  void on_message(const nlohmann::json& body) override {
+    if (failed_ || !body.is_object()) return;
+    const auto op = body.value("op", std::string{});
+    if (op == "proved") {
+      proved(body);
+      return;
+    }
+    std::uint64_t seg = 0;
+    if (const auto it = body.find("segment"); it == body.end() || !it->is_number_unsigned()) {
+      return;
+    } else {
+      seg = it->get<std::uint64_t>();
+    }
+    if (op == "granted") {
+      granted(seg, body);
+    } else if (op == "refused") {
+      refused(seg, body);
+    } else if (op == "release") {
+      release(seg);
+    }
+    // Unknown ops are ignored: newer peers may send more.
+  }
+
+ private:
+  struct lease {
+    std::uint64_t base = 0;
+    std::uint64_t length = 0;
+    access granted = access::none;
+  };
+
+  std::string nonce_text() const { return fmt::format("{:016x}{:016x}", nonce_[0], nonce_[1]); }
+
+  void request(std::uint64_t seg) { ctx_.send({{"op", "lease"}, {"segment", seg}}); }
+
+  void place(std::size_t i, const slice_ref& s, const lease& l) {
+    const errc e = detail::check_segment_access(
+        l.length, l.granted, s.offset, s.length,
+        s.kind == opcode::read ? access::remote_read : access::remote_write);
+    if (e != errc{}) {
+      rejects_.push_back({s.op, 0, e});
+      return;
+    }
+    outbox_[i].push_back({s, l.base + s.offset});
+  }
+
+  void proved(const nlohmann::json& body) {
+    if (proven_) return;
+    std::uint64_t at = 0;
+    if (const auto it = body.find("at"); it != body.end() && it->is_number_unsigned()) {
+      at = it->get<std::uint64_t>();
+    }
+    std::array<char, 32> seen{};
+    const auto want = nonce_text();
+    const auto ec = cma::read(static_cast<pid_t>(peer_->pid), at, seen.data(), seen.size());
+    if (ec || std::string_view(seen.data(), seen.size()) != want) {
+      detail::log(
+          "shm: the peer's process (pid {}) did not prove it is the peer ({}): its "
+          "descriptor names another process; disconnecting",
+          peer_->pid, ec ? ec.message() : std::string("the nonce differs"));
+      fail(errc::authentication_failed);
+      return;
+    }
+    proven_ = true;
+    for (const auto& [seg, w] : waiting_) {
+      if (!w.empty()) request(seg);
+    }
+  }
+
+  void granted(std::uint64_t seg, const nlohmann::json& body) {
+    lease l;
+    std::string acc;
+    const auto a = body.find("access");
+    if (!body.contains("base") || !body["base"].is_number_unsigned() || !body.contains("length") ||
+        !body["length"].is_number_unsigned() || a == body.end() || !a->is_string()) {
+      refused_with(seg, errc::malformed_message);
+      return;
+    }
+    l.base = body["base"].get<std::uint64_t>();
+    l.length = body["length"].get<std::uint64_t>();
+    const auto parsed = control::parse_access(a->get<std::string>());
+    if (!parsed || l.base + l.length < l.base) {
+      refused_with(seg, errc::malformed_message);
+      return;
+    }
+    l.granted = *parsed;
+    leases_[seg] = l;
+    const auto it = waiting_.find(seg);
+    if (it == waiting_.end()) return;
+    auto w = std::move(it->second);
+    waiting_.erase(it);
+    for (const auto& [i, s] : w) place(i, s, l);
+    pump();
+  }
+
+  void refused(std::uint64_t seg, const nlohmann::json& body) {
+    int e = static_cast<int>(errc::not_registered);
+    if (const auto it = body.find("error"); it != body.end() && it->is_number_integer()) {
+      const int v = it->get<int>();
+      if (v > 0 && v <= static_cast<int>(errc_last)) e = v;
+    }
+    refused_with(seg, static_cast<errc>(e));
+  }
+
+  void refused_with(std::uint64_t seg, errc e) {
+    const auto it = waiting_.find(seg);
+    if (it == waiting_.end()) return;
+    for (const auto& x : it->second) rejects_.push_back({x.second.op, 0, e});
+    waiting_.erase(it);
+    pump();
+  }
+
+  // The peer unregisters `seg`: no new copy may start on it, and it hears
+  // back once every lane finished what it was given before.
+  void release(std::uint64_t seg) {
+    leases_.erase(seg);
+    // Slices placed but not handed out yet ask for a new lease (refused).
+    for (std::size_t i = 0; i < outbox_.size(); ++i) {
+      std::vector<copy_item> keep;
+      for (auto& c : outbox_[i]) {
+        if (c.s.segment == seg) {
+          waiting_[seg].push_back({i, c.s});
+        } else {
+          keep.push_back(c);
+        }
+      }
+      outbox_[i] = std::move(keep);
+    }
+    if (const auto it = waiting_.find(seg); it != waiting_.end() && !it->second.empty()) {
+      request(seg);
+    }
+    auto left = std::make_shared<std::atomic<std::size_t>>(lanes_.size());
+    auto answer = [send = ctx_.send, seg] { send({{"op", "released"}, {"segment", seg}}); };
+    if (lanes_.empty()) {
+      answer();
+      return;
+    }
+    for (auto& l : lanes_) {
+      asio::post(l->get_executor(), [left, answer, ex = ex_] {
+        if (left->fetch_sub(1) == 1) asio::post(ex, answer);
+      });
+    }
+  }
+
+  asio::any_io_executor ex_;
+  transport_host& host_;
+  path_context ctx_;
+  std::shared_ptr<peer_process_state> peer_;
+  std::vector<std::shared_ptr<lane>> lanes_;
+  std::vector<double> weights_;
+  std::vector<std::vector<copy_item>> outbox_;
+  std::map<std::uint64_t, std::vector<std::pair<std::size_t, slice_ref>>> waiting_;
+  std::vector<slice_report> rejects_;
+  std::unordered_map<std::uint64_t, lease> leases_;
+  std::array<std::uint64_t, 2> nonce_{};
+  bool proven_ = false;
+  bool failed_ = false;
+  std::error_code failure_;
+};
+
+class transport final : public kvlink::transport, public std::enable_shared_from_this<transport> {
+ public:
+  transport(transport_env env, shm_config cfg)
+      : env_(std::move(env)), cfg_(cfg), self_(host_identity::self()) {
+    std::random_device rd;
+    probe_->cookie = (static_cast<std::uint64_t>(rd()) << 32) ^ rd();
+    // The kernel must let a process attach to itself; a seccomp filter or a
+    // kernel without cross-memory attach does not.
+    std::uint64_t back = 0;
+    if (self_.boot_id.empty() || self_.pid_ns.empty()) {
+      why_not_ = "cannot read this host's boot id or PID namespace from /proc";
+    } else if (auto ec = cma::read(static_cast<pid_t>(self_.pid),
+                                   reinterpret_cast<std::uintptr_t>(&probe_->cookie), &back,
+                                   sizeof back)) {
+      why_not_ = cma::refusal_reason(ec.value(), self_.pid);
+    }
+  }
+
+  std::string_view name() const noexcept override { return "shm"; }
+  bool available() const noexcept override { return why_not_.empty(); }
+  std::string unavailable_reason() const override { return why_not_; }
+  memory_kinds reaches() const noexcept override { return {memory_kind::host}; }
+  bool local_only() const noexcept override { return true; }
+  void shutdown() override {}
+
+  nlohmann::json describe() const override {
+    return {
+        {"boot_id", self_.boot_id}, {"pid_ns", self_.pid_ns},
+        {"host", self_.host},       {"pid", self_.pid},
+        {"uid", self_.uid},         {"probe", reinterpret_cast<std::uintptr_t>(&probe_->cookie)},
+        {"cookie", probe_->cookie}};
+  }
+
+  bool reachable(const nlohmann::json& entry, std::string& why) const override {
+    if (!entry.is_object() || !entry.contains("boot_id") || !entry["boot_id"].is_string() ||
+        !entry.contains("pid_ns") || !entry["pid_ns"].is_string() || !entry.contains("pid") ||
+        !entry["pid"].is_number_integer() || !entry.contains("probe") ||
+        !entry["probe"].is_number_unsigned() || !entry.contains("cookie") ||
+        !entry["cookie"].is_number_unsigned()) {
+      why = "the peer's shm entry is malformed";
+      return false;
+    }
+    const auto host = entry.value("host", std::string{});
+    if (entry["boot_id"].get<std::string>() != self_.boot_id) {
+      why = fmt::format("the peer runs on another host ({}; boot ids differ)",
+                        host.empty() ? "unnamed" : host);
+      return false;
+    }
+    const auto ns = entry["pid_ns"].get<std::string>();
+    if (ns != self_.pid_ns) {
+      why = fmt::format(
+          "the peer runs in another PID namespace ({} there, {} here: containers that do not "
+          "share one cannot attach to each other's memory)",
+          ns, self_.pid_ns);
+      return false;
+    }
+    const auto pid = entry["pid"].get<std::int64_t>();
+    if (pid <= 0) {
+      why = "the peer's shm entry names no process";
+      return false;
+    }
+    std::uint64_t seen = 0;
+    if (auto ec = cma::read(static_cast<pid_t>(pid), entry["probe"].get<std::uint64_t>(), &seen,
+                            sizeof seen)) {
+      why = cma::refusal_reason(ec.value(), pid);
+      return false;
+    }
+    if (seen != entry["cookie"].get<std::uint64_t>()) {
+      why = cma::refusal_reason(EFAULT, pid);
+      return false;
+    }
+    return true;
+  }
+
+  asio::awaitable<std::error_code> connect(path_context ctx,
+                                           std::shared_ptr<data_path>& out) override {
+    const auto pid = ctx.entry.value("pid", std::int64_t{0});
+    auto peer = std::make_shared<peer_process_state>(pid);
+    auto p = std::make_shared<path>(env_.executor, *env_.host, std::move(ctx), std::move(peer));
+    p->open(cfg_.lanes, [this] { return env_.io_strand(); });
+    out = std::move(p);
+    co_return std::error_code{};
+  }
+
+  // ---------------------------------------------------------------- target
+
+  std::optional<nlohmann::json> on_request(const void* session,
+                                           const nlohmann::json& body) override {
+    if (!body.is_object()) return std::nullopt;
+    const auto op = body.value("op", std::string{});
+    if (op == "prove") {
+      const auto it = body.find("nonce");
+      if (it == body.end() || !it->is_string() || it->get_ref<const std::string&>().size() != 32) {
+        return std::nullopt;
+      }
+      std::lock_guard lock{mutex_};
+      auto& s = sessions_[session];
+      if (!s.proof) s.proof = std::make_unique<std::array<char, 32>>();
+      const auto& n = it->get_ref<const std::string&>();
+      std::copy(n.begin(), n.end(), s.proof->begin());
+      return nlohmann::json{{"op", "proved"},
+                            {"at", reinterpret_cast<std::uintptr_t>(s.proof->data())}};
+    }
+    const auto seg = body.find("segment");
+    if (seg == body.end() || !seg->is_number_unsigned()) return std::nullopt;
+    const segment_id id{seg->get<std::uint64_t>()};
+    if (op == "lease") return lease(session, id);
+    if (op == "released") {
+      bool held = false;
+      {
+        std::lock_guard lock{mutex_};
+        if (const auto it = sessions_.find(session); it != sessions_.end()) {
+          held = it->second.leases.erase(id.value()) != 0;
+        }
+      }
+      if (held) env_.host->unpin(id);
+    }
+    return std::nullopt;
+  }
+
+  void session_closed(const void* session) override {
+    std::set<std::uint64_t> held;
+    {
+      std::lock_guard lock{mutex_};
+      const auto it = sessions_.find(session);
+      if (it == sessions_.end()) return;
+      held = std::move(it->second.leases);
+      sessions_.erase(it);
+    }
+    for (const auto id : held) env_.host->unpin(segment_id{id});
+  }
+
+  /// Asks every peer holding a lease on the segment to give it back.
+  void unregister_memory(segment_id id) override {
+    for (const auto* s : holders(id)) {
+      if (!env_.session_send ||
+          !env_.session_send(s, "shm", {{"op", "release"}, {"segment", id.value()}})) {
+        drop_lease(s, id);
+      }
+    }
+  }
+
+  /// A peer kept a lease past fence_timeout: it is disconnected, and the
+  /// lease dropped (its process could still copy if it ran on; see above).
+  void revoke(segment_id id) override {
+    for (const auto* s : holders(id)) {
+      detail::log(
+          "shm: a peer kept segment {} past fence_timeout while it was being "
+          "unregistered: disconnecting it",
+          id.value());
+      drop_lease(s, id);
+      if (env_.session_close) env_.session_close(s, errc::deadline_exceeded);
+    }
+  }
+
+ private:
+  struct session_state {
+    std::set<std::uint64_t> leases;
+    std::unique_ptr<std::array<char, 32>> proof;  // the nonce its path sent, for it to read
+  };
+  // A word peers read to check they may attach and that the pid is ours.
+  struct probe_word {
+    std::uint64_t cookie = 0;
+  };
+
+  nlohmann::json lease(const void* session, segment_id id) {
+    const auto refuse = [&](errc e) {
+      return nlohmann::json{
+          {"op", "refused"}, {"segment", id.value()}, {"error", static_cast<int>(e)}};
+    };
+    const auto seg = env_.registry->get(id);
+    if (!seg) return refuse(errc::not_registered);
+    if (seg->memory.kind != memory_kind::host) return refuse(errc::transport_unavailable);
+    {
+      std::lock_guard lock{mutex_};
+      auto& s = sessions_[session];
+      if (!s.leases.contains(id.value())) {
+        if (!env_.host->pin(id)) return refuse(errc::not_registered);
+        s.leases.insert(id.value());
+      }
+    }
+    return nlohmann::json{{"op", "granted"},
+                          {"segment", id.value()},
+                          {"base", static_cast<std::uint64_t>(seg->base)},
+                          {"length", seg->length},
+                          {"access", control::to_string(seg->granted)}};
+  }
+
+  // The sessions holding a lease on `id`.
+  std::vector<const void*> holders(segment_id id) {
+    std::vector<const void*> out;
+    std::lock_guard lock{mutex_};
+    for (const auto& [s, st] : sessions_) {
+      if (st.leases.contains(id.value())) out.push_back(s);
+    }
+    return out;
+  }
+
+  void drop_lease(const void* session, segment_id id) {
+    bool held = false;
+    {
+      std::lock_guard lock{mutex_};
+      if (const auto it = sessions_.find(session); it != sessions_.end()) {
+        held = it->second.leases.erase(id.value()) != 0;
+      }
+    }
+    if (held) env_.host->unpin(id);
+  }
+
+  transport_env env_;
+  shm_config cfg_;
+  host_identity self_;
+  std::unique_ptr<probe_word> probe_ = std::make_unique<probe_word>();
+  std::string why_not_;
+  std::mutex mutex_;
+  std::map<const void*, session_state> sessions_;
+};
+
+}  // namespace kvlink::shm

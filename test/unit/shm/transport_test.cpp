@@ -1,0 +1,502 @@
+// The same-host transport (shm/transport.hpp): who it reaches and why not,
+// the target's lease rules against malformed and hostile requests, the
+// path's own bounds and its proof of the peer's process; then two processes
+// (this test and a kvlink_test_peer child): WRITE and READ at odd offsets
+// with bytes checked on both sides, a child killed mid-copy, a child that
+// may not attach to us falling back to TCP with the reason, and a child
+// copying into us whose leases end when it dies.
+#include <kvlink/engine.hpp>
+
+#include <algorithm>
+#include <array>
+#include <cstring>
+#include <functional>
+#include <future>
+#include <limits>
+#include <map>
+#include <optional>
+#include <random>
+#include <string>
+#include <system_error>
+#include <thread>
+#include <vector>
+
+#include "../../support/peer_process.hpp"
+#include "../../support/test_support.hpp"
+#include "../../support/two_process_rig.hpp"
+#include <asio/io_context.hpp>
+#include <doctest/doctest.h>
+#include <sys/prctl.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+namespace {
+
+using namespace std::chrono_literals;
+using kvlink::opcode;
+using kvlink_test::fill_pattern;
+using kvlink_test::is_pattern;
+using kvlink_test::peer_process;
+using kvlink_test::run_until;
+using json = nlohmann::json;
+
+// The engine as the transport sees it: pins counted, finished slices kept.
+class host_stub final : public kvlink::transport_host {
+ public:
+  explicit host_stub(const kvlink::segment_registry& r) : registry_(r) {}
+  void slice_done(kvlink::detail::transfer_op* op, std::uint64_t bytes,
+                  std::error_code ec) override {
+    done.push_back({op, bytes, ec});
+  }
+  bool stopping(const kvlink::detail::transfer_op*) const noexcept override { return false; }
+  bool pin(kvlink::segment_id id) override {
+    if (!registry_.get(id)) return false;
+    ++pins[id.value()];
+    return true;
+  }
+  void unpin(kvlink::segment_id id) override { --pins[id.value()]; }
+
+  std::vector<kvlink::slice_report> done;
+  std::map<std::uint64_t, int> pins;
+
+ private:
+  const kvlink::segment_registry& registry_;
+};
+
+struct unit_rig {
+  asio::io_context io;
+  kvlink::segment_registry registry;
+  host_stub host{registry};
+  kvlink::transport_env env;
+  std::shared_ptr<kvlink::shm::transport> t;
+  std::vector<std::pair<const void*, json>> sent;  // session_send
+  std::vector<const void*> closed;                 // session_close
+
+  unit_rig() {
+    env.executor = io.get_executor();
+    env.host = &host;
+    env.registry = &registry;
+    env.session_send = [this](const void* s, std::string_view name, json body) {
+      CHECK(name == "shm");
+      sent.emplace_back(s, std::move(body));
+      return true;
+    };
+    env.session_close = [this](const void* s, std::error_code) { closed.push_back(s); };
+    t = std::make_shared<kvlink::shm::transport>(env, kvlink::shm_config{});
+  }
+};
+
+TEST_CASE("shm reaches a process on this host it may attach to, and says why not otherwise") {
+  unit_rig r;
+  REQUIRE_MESSAGE(r.t->available(), r.t->unavailable_reason());
+  CHECK(r.t->local_only());
+  const json self = r.t->describe();
+  std::string why;
+  CHECK(r.t->reachable(self, why));
+
+  auto other = self;
+  other["boot_id"] = "00000000-0000-0000-0000-000000000000";
+  CHECK_FALSE(r.t->reachable(other, why));
+  CHECK(why.find("another host") != std::string::npos);
+
+  other = self;
+  other["pid_ns"] = "pid:[1]";
+  CHECK_FALSE(r.t->reachable(other, why));
+  CHECK(why.find("another PID namespace") != std::string::npos);
+
+  other = self;  // a pid that is not the process the probe belongs to
+  other["cookie"] = self["cookie"].get<std::uint64_t>() ^ 1;
+  CHECK_FALSE(r.t->reachable(other, why));
+  CHECK(why.find("is not the peer") != std::string::npos);
+
+  // A process that is gone.
+  const pid_t child = ::fork();
+  if (child == 0) ::_exit(0);
+  ::waitpid(child, nullptr, 0);
+  other = self;
+  other["pid"] = child;
+  CHECK_FALSE(r.t->reachable(other, why));
+  CHECK(why.find("no process") != std::string::npos);
+
+  for (const char* field : {"boot_id", "pid_ns", "pid", "probe", "cookie"}) {
+    other = self;
+    other.erase(field);
+    CHECK_FALSE(r.t->reachable(other, why));
+    CHECK(why.find("malformed") != std::string::npos);
+    other = self;
+    other[field] = json::array();
+    CHECK_FALSE(r.t->reachable(other, why));
+  }
+  CHECK_FALSE(r.t->reachable(json("shm"), why));
+}
+
+TEST_CASE("shm target: leases pin registered segments only; malformed requests change nothing") {
+  unit_rig r;
+  std::vector<std::byte> mem(1 << 16);
+  std::error_code ec;
+  const auto id = r.registry.add(mem.data(), mem.size(), kvlink::access::remote_read, ec);
+  REQUIRE(!ec);
+  int session_a = 0, session_b = 0;  // their addresses are the session keys
+  const void* a = &session_a;
+  const void* b = &session_b;
+
+  for (const json& bad :
+       {json(nullptr), json("lease"), json::array(), json{{"op", "lease"}},
+        json{{"op", "lease"}, {"segment", "1"}}, json{{"op", "lease"}, {"segment", -1}},
+        json{{"op", "prove"}}, json{{"op", "prove"}, {"nonce", "short"}},
+        json{{"op", "prove"}, {"nonce", 7}}, json{{"op", "released"}, {"segment", id.value()}},
+        json{{"op", "unknown"}, {"segment", id.value()}}}) {
+    CHECK_FALSE(r.t->on_request(a, bad).has_value());
+  }
+  CHECK(r.host.pins[id.value()] == 0);
+
+  // Unknown segment: refused, nothing pinned.
+  auto reply = r.t->on_request(a, json{{"op", "lease"}, {"segment", id.value() + 7}});
+  REQUIRE(reply);
+  CHECK((*reply)["op"] == "refused");
+  CHECK((*reply)["error"] == static_cast<int>(kvlink::errc::not_registered));
+
+  // Granted once per session, whatever it asks; with the segment's bounds.
+  reply = r.t->on_request(a, json{{"op", "lease"}, {"segment", id.value()}});
+  REQUIRE(reply);
+  CHECK((*reply)["op"] == "granted");
+  CHECK((*reply)["base"] == reinterpret_cast<std::uintptr_t>(mem.data()));
+  CHECK((*reply)["length"] == mem.size());
+  CHECK((*reply)["access"] == "r");
+  (void)r.t->on_request(a, json{{"op", "lease"}, {"segment", id.value()}});
+  (void)r.t->on_request(b, json{{"op", "lease"}, {"segment", id.value()}});
+  CHECK(r.host.pins[id.value()] == 2);
+
+  // A session cannot give back another's lease.
+  int session_c = 0;
+  (void)r.t->on_request(&session_c, json{{"op", "released"}, {"segment", id.value()}});
+  CHECK(r.host.pins[id.value()] == 2);
+
+  // Unregistration asks the holders; a holder that answers lets go.
+  r.t->unregister_memory(id);
+  REQUIRE(r.sent.size() == 2);
+  for (const auto& [s, body] : r.sent) {
+    CHECK(body["op"] == "release");
+    CHECK(body["segment"] == id.value());
+  }
+  (void)r.t->on_request(a, json{{"op", "released"}, {"segment", id.value()}});
+  CHECK(r.host.pins[id.value()] == 1);
+  (void)r.t->on_request(a, json{{"op", "released"}, {"segment", id.value()}});  // twice: no-op
+  CHECK(r.host.pins[id.value()] == 1);
+  // One that does not is disconnected after fence_timeout, its lease dropped.
+  r.t->revoke(id);
+  CHECK(r.closed == std::vector<const void*>{b});
+  CHECK(r.host.pins[id.value()] == 0);
+
+  // A session that closes drops what it held.
+  reply = r.t->on_request(a, json{{"op", "lease"}, {"segment", id.value()}});
+  CHECK(r.host.pins[id.value()] == 1);
+  r.t->session_closed(a);
+  CHECK(r.host.pins[id.value()] == 0);
+
+  // Once it left the registry, a lease is refused.
+  REQUIRE(!r.registry.remove(id));
+  reply = r.t->on_request(a, json{{"op", "lease"}, {"segment", id.value()}});
+  REQUIRE(reply);
+  CHECK((*reply)["op"] == "refused");
+}
+
+// A path to our own process, its messages captured.
+struct path_rig {
+  unit_rig u;
+  std::vector<json> sent;
+  std::optional<std::error_code> failed;
+  std::shared_ptr<kvlink::shm::path> p;
+
+  path_rig() {
+    kvlink::path_context ctx;
+    ctx.send = [this](json body) { sent.push_back(std::move(body)); };
+    ctx.on_failure = [this](std::error_code ec) { failed = ec; };
+    p = std::make_shared<kvlink::shm::path>(
+        u.io.get_executor(), u.host, std::move(ctx),
+        std::make_shared<kvlink::shm::peer_process_state>(::getpid()));
+    p->open(2, [this] { return asio::any_io_executor(u.io.get_executor()); });
+    p->start();
+  }
+
+  // Answers the proof as an honest peer would: the nonce in its memory.
+  void prove(std::array<char, 32>& where) {
+    REQUIRE(!sent.empty());
+    REQUIRE(sent[0]["op"] == "prove");
+    const auto nonce = sent[0]["nonce"].get<std::string>();
+    REQUIRE(nonce.size() == 32);
+    std::copy(nonce.begin(), nonce.end(), where.begin());
+    p->on_message(json{{"op", "proved"}, {"at", reinterpret_cast<std::uintptr_t>(where.data())}});
+  }
+};
+
+kvlink::detail::transfer_op* op_tag(std::uintptr_t n) {
+  return reinterpret_cast<kvlink::detail::transfer_op*>(n);
+}
+
+TEST_CASE("shm path: a peer process that cannot show the nonce is disconnected") {
+  path_rig r;
+  std::array<char, 32> wrong{};
+  r.p->on_message(json{{"op", "proved"}, {"at", reinterpret_cast<std::uintptr_t>(wrong.data())}});
+  REQUIRE(r.failed);
+  CHECK(*r.failed == kvlink::errc::authentication_failed);
+
+  path_rig unmapped;
+  unmapped.p->on_message(json{{"op", "proved"}, {"at", 8}});
+  REQUIRE(unmapped.failed);
+  CHECK(*unmapped.failed == kvlink::errc::authentication_failed);
+}
+
+TEST_CASE("shm path: slices wait for a lease, copy inside it, and are refused outside it") {
+  path_rig r;
+  std::array<char, 32> nonce{};
+  r.prove(nonce);
+  REQUIRE_FALSE(r.failed);
+
+  std::vector<std::byte> peer_mem(4096), mine(4096);
+  fill_pattern(mine.data(), mine.size(), 5, 0);
+  auto slice = [&](std::uintptr_t tag, opcode k, std::uint64_t off, std::uint64_t len) {
+    kvlink::slice_ref s;
+    s.op = op_tag(tag);
+    s.local = mine.data() + off;
+    s.length = len;
+    s.segment = 9;
+    s.offset = off;
+    s.kind = k;
+    return s;
+  };
+  r.p->enqueue(0, slice(1, opcode::write, 3, 1001));    // inside
+  r.p->enqueue(1, slice(2, opcode::write, 4000, 200));  // past the end
+  r.p->enqueue(0, slice(3, opcode::write, 0, 0));       // empty, at 0: fine
+  r.p->pump();
+  REQUIRE(r.sent.size() == 2);  // prove, then one lease request for segment 9
+  CHECK(r.sent[1] == json{{"op", "lease"}, {"segment", 9u}});
+  CHECK(r.u.host.done.empty());
+
+  // A grant the size of the peer's memory; a malformed one is refused.
+  r.p->on_message(json{{"op", "granted"},
+                       {"segment", 9u},
+                       {"base", reinterpret_cast<std::uintptr_t>(peer_mem.data())},
+                       {"length", peer_mem.size()},
+                       {"access", "rw"}});
+  r.u.io.run();
+  r.u.io.restart();
+  std::map<std::uintptr_t, kvlink::slice_report> by_op;
+  for (const auto& d : r.u.host.done) by_op[reinterpret_cast<std::uintptr_t>(d.op)] = d;
+  REQUIRE(by_op.size() == 3);
+  CHECK(!by_op[1].ec);
+  CHECK(by_op[1].bytes == 1001);
+  CHECK(by_op[2].ec == kvlink::errc::out_of_bounds);
+  CHECK(!by_op[3].ec);
+  CHECK(is_pattern(peer_mem.data() + 3, 1001, 5, 3));
+  CHECK(std::all_of(peer_mem.begin(), peer_mem.begin() + 3,
+                    [](std::byte b) { return b == std::byte{0}; }));
+  CHECK(std::all_of(peer_mem.begin() + 1004, peer_mem.end(),
+                    [](std::byte b) { return b == std::byte{0}; }));
+
+  // A READ back into another place, at an odd offset.
+  r.u.host.done.clear();
+  std::fill(mine.begin(), mine.end(), std::byte{0});
+  r.p->enqueue(1, slice(4, opcode::read, 3, 1001));
+  r.p->pump();
+  r.u.io.run();
+  r.u.io.restart();
+  REQUIRE(r.u.host.done.size() == 1);
+  CHECK(!r.u.host.done[0].ec);
+  CHECK(is_pattern(mine.data() + 3, 1001, 5, 3));
+
+  // The peer unregisters: it hears back once the lanes are done; slices
+  // after that ask again, and a refusal fails them.
+  r.sent.clear();
+  r.p->on_message(json{{"op", "release"}, {"segment", 9u}});
+  r.u.io.run();
+  r.u.io.restart();
+  REQUIRE(r.sent.size() == 1);
+  CHECK(r.sent[0] == json{{"op", "released"}, {"segment", 9u}});
+  r.u.host.done.clear();
+  r.p->enqueue(0, slice(5, opcode::write, 0, 10));
+  r.p->pump();
+  REQUIRE(r.sent.size() == 2);
+  CHECK(r.sent[1]["op"] == "lease");
+  r.p->on_message(json{{"op", "refused"}, {"segment", 9u}, {"error", 1}});
+  REQUIRE(r.u.host.done.size() == 1);
+  CHECK(r.u.host.done[0].ec == kvlink::errc::not_registered);
+
+  // Hostile answers: garbage is ignored, a malformed grant or an error code
+  // out of range fails only the waiting slices, with a kvlink error.
+  for (const json& bad :
+       {json(nullptr), json{{"op", "granted"}}, json{{"op", "granted"}, {"segment", "9"}},
+        json{{"op", "proved"}, {"at", "x"}}, json::array()}) {
+    r.p->on_message(bad);
+  }
+  r.u.host.done.clear();
+  r.p->enqueue(0, slice(6, opcode::write, 0, 10));
+  r.p->pump();
+  r.p->on_message(
+      json{{"op", "granted"}, {"segment", 9u}, {"base", 1u}, {"length", 2u}, {"access", "rwx"}});
+  r.p->enqueue(0, slice(7, opcode::write, 0, 10));
+  r.p->pump();
+  r.p->on_message(json{{"op", "refused"}, {"segment", 9u}, {"error", 100000}});
+  r.p->on_message(json{{"op", "granted"},
+                       {"segment", 9u},
+                       {"base", std::numeric_limits<std::uint64_t>::max() - 4},
+                       {"length", 100u},
+                       {"access", "rw"}});
+  REQUIRE(r.u.host.done.size() == 2);
+  CHECK(r.u.host.done[0].ec == kvlink::errc::malformed_message);
+  CHECK(r.u.host.done[1].ec == kvlink::errc::not_registered);
+  CHECK_FALSE(r.failed);
+}
+
+// ------------------------------------------------------------ two processes
+
+TEST_CASE("shm between two processes: WRITE and READ at odd offsets, bytes checked on both sides") {
+  kvlink_test::rig r{"rw", 77, "shm,tcp"};
+  REQUIRE(r.peer.transport() == "shm");
+  CHECK(r.peer.transport_reason() == "shm");
+
+  std::mt19937_64 rng{2026};
+  std::vector<kvlink::transfer_request> reads;
+  std::vector<std::pair<std::uint64_t, std::uint64_t>> spans;  // (offset, length), disjoint
+  std::uint64_t at = 1;
+  while (at < kvlink_test::segment_size - (4u << 20)) {
+    const std::uint64_t len = 1 + rng() % (3u << 20);
+    spans.emplace_back(at, len);
+    at += len + 1 + rng() % 4093;  // odd gaps, odd offsets
+  }
+  for (const auto& [off, len] : spans) reads.push_back(r.req(opcode::read, off, off, len));
+  const auto got = r.run(reads);
+  REQUIRE_MESSAGE(!got.ec, got.ec.message());
+  for (const auto& [off, len] : spans) REQUIRE(is_pattern(r.local_mem.data() + off, len, 77, off));
+
+  // WRITE the pattern of another seed back over the same odd ranges.
+  for (const auto& [off, len] : spans) fill_pattern(r.local_mem.data() + off, len, 78, off);
+  std::vector<kvlink::transfer_request> writes;
+  for (const auto& [off, len] : spans) writes.push_back(r.req(opcode::write, off, off, len));
+  const auto put = r.run(writes);
+  REQUIRE_MESSAGE(!put.ec, put.ec.message());
+  std::vector<kvlink_test::rig::range> ranges;
+  for (const auto& [off, len] : spans) ranges.push_back({off, len, 78});
+  CHECK(r.check_remote(ranges) == "OK");
+  // And the bytes between them were not touched.
+  CHECK(r.check_remote(spans[0].first + spans[0].second, 1, 77) == "OK");
+  CHECK(r.check_remote(0, 1, 77) == "OK");
+
+  // Hostile offsets are refused before any copy.
+  const auto past = r.run({r.req(opcode::write, 0, kvlink_test::segment_size - 1, 2)});
+  CHECK(past.ec == kvlink::errc::out_of_bounds);
+  const auto wrap = r.run({r.req(opcode::read, 0, ~std::uint64_t{0} - 1, 4)});
+  CHECK(wrap.ec == kvlink::errc::out_of_bounds);
+}
+
+TEST_CASE("shm: the target's access grant holds") {
+  kvlink_test::rig r{"r", 3, "shm"};
+  REQUIRE(r.peer.transport() == "shm");
+  const auto w = r.run({r.req(opcode::write, 0, 0, 4096)});
+  CHECK(w.ec == kvlink::errc::access_denied);
+  const auto rd = r.run({r.req(opcode::read, 5, 5, 4096)});
+  CHECK(!rd.ec);
+  CHECK(is_pattern(r.local_mem.data() + 5, 4096, 3, 5));
+}
+
+TEST_CASE(
+    "shm: a child killed mid-copy fails the transfer with peer_closed; later ones fail fast") {
+  kvlink_test::rig r{"rw", 9, "shm"};
+  REQUIRE(r.peer.transport() == "shm");
+  std::optional<kvlink_test::outcome> first;
+  int finished = 0;
+  // Back-to-back 64 MiB READs until one fails; the child dies during them.
+  std::function<void()> next = [&] {
+    r.engine.async_submit_transfer(
+        std::vector<kvlink::transfer_request>{r.req(opcode::read, 0, 0, 64u << 20)},
+        [&](std::error_code ec, kvlink::transfer_result res) {
+          if (ec) {
+            first = kvlink_test::outcome{ec, res};
+            return;
+          }
+          if (++finished == 2) r.child.kill_now();
+          next();
+        });
+  };
+  next();
+  REQUIRE(run_until(r.io, [&] { return first.has_value(); }));
+  CHECK(first->ec == kvlink::errc::peer_closed);
+  REQUIRE(run_until(r.io, [&] { return !r.peer.connected(); }));
+  const auto later = r.run({r.req(opcode::write, 0, 0, 4096)});
+  CHECK(later.ec);
+}
+
+TEST_CASE("shm: a peer that may not attach to us falls back to TCP and says why") {
+  // Root may attach to anyone: the child runs as another user. Otherwise
+  // this process is made non-dumpable, which refuses a same-user peer.
+  const bool root = ::geteuid() == 0;
+  std::vector<std::string> args{"--size",   std::to_string(1 << 20),       "--seed", "4",
+                                "--config", R"({"transports": "shm,tcp"})"};
+  if (root) {
+    args.insert(args.begin(), {"--user", "65534"});
+  } else {
+    REQUIRE(::prctl(PR_SET_DUMPABLE, 0) == 0);
+  }
+  struct restore {
+    ~restore() { ::prctl(PR_SET_DUMPABLE, 1); }
+  } dumpable;
+
+  asio::io_context io;
+  std::vector<std::byte> mem(1 << 20);
+  kvlink::config cfg;
+  cfg.transports = "shm,tcp";
+  kvlink::engine eng{io.get_executor(), cfg};
+  eng.register_segment(mem.data(), mem.size(), kvlink::access::remote_read_write);
+  std::thread runner([&io] {
+    auto work = asio::make_work_guard(io);
+    io.run_for(120s);
+  });
+  struct stop {
+    asio::io_context& io;
+    std::thread& t;
+    ~stop() {
+      io.stop();
+      t.join();
+    }
+  } stopper{io, runner};
+
+  peer_process child(args);
+  const auto answer = child.command("CONNECT " + eng.local_address());
+  INFO(answer);
+  REQUIRE(answer.rfind("TRANSPORT tcp tcp (shm: ", 0) == 0);
+  CHECK(answer.find("cross-memory attach to pid " + std::to_string(::getpid()) + " refused") !=
+        std::string::npos);
+  CHECK(answer.find("Operation not permitted") != std::string::npos);
+  // TCP carries the bytes.
+  CHECK(child.command("WRITE 3 65536") == "OK");
+  std::promise<bool> same;
+  asio::post(io, [&] { same.set_value(is_pattern(mem.data() + 3, 65536, 4, 3)); });
+  CHECK(same.get_future().get());
+}
+
+TEST_CASE(
+    "shm: a child copying into us holds a lease until it dies; unregistration then completes") {
+  asio::io_context io;
+  std::vector<std::byte> mem(4u << 20);
+  kvlink::config cfg;
+  cfg.transports = "shm";
+  cfg.fence_timeout = 60s;  // unregistration must not need the fence: the lease ends with the child
+  kvlink::engine eng{io.get_executor(), cfg};
+  const auto seg = eng.register_segment(mem.data(), mem.size(), kvlink::access::remote_read_write);
+  peer_process child(
+      {"--size", std::to_string(4u << 20), "--seed", "12", "--config", R"({"transports": "shm"})"});
+  auto answer = std::async(std::launch::async,
+                           [&] { return child.command("CONNECT " + eng.local_address()); });
+  REQUIRE(run_until(io, [&] { return answer.wait_for(0s) == std::future_status::ready; }));
+  REQUIRE(answer.get() == "TRANSPORT shm shm");
+  child.send("PUSH " + eng.local_address() + " " + std::to_string(4u << 20));
+  REQUIRE(run_until(io, [&] { return is_pattern(mem.data(), mem.size(), 12, 0); }));
+  child.kill_now();
+  std::optional<std::error_code> un;
+  eng.async_unregister_segment(seg, [&](std::error_code ec) { un = ec; });
+  REQUIRE(run_until(
+      io, [&] { return un.has_value(); }, 30s));
+  CHECK(!*un);
+}
+
+}  // namespace
