@@ -84,6 +84,7 @@ struct engine_options {
   std::string slice_size;
   std::uint32_t max_inflight = 0;
   std::string socket_buffer;
+  std::string memory = "private";  // the target's segment: private or shared (shm/memory.hpp)
 };
 
 struct kv_options {
@@ -197,11 +198,17 @@ std::vector<std::string> engine_args(const engine_options& e) {
   std::vector<std::string> a{"--transport", e.transport, "--threads", std::to_string(e.threads)};
   if (!e.slice_size.empty()) a.insert(a.end(), {"--slice-size", e.slice_size});
   if (!e.socket_buffer.empty()) a.insert(a.end(), {"--socket-buffer", e.socket_buffer});
+  a.insert(a.end(), {"--memory", e.memory});
   return a;
 }
 
 void add_engine_options(CLI::App* app, engine_options& e, bool lanes) {
   app->add_option("--transport", e.transport, transport_help())->capture_default_str();
+  app->add_option("--memory", e.memory,
+                  "the target's segment: private (any memory; shm copies with cross-memory "
+                  "attach) or shared (kvlink::shm::shared_memory; shm maps it, memcpy)")
+      ->check(CLI::IsMember({"private", "shared"}))
+      ->capture_default_str();
   app->add_flag("--checksums", e.checksums,
                 "end-to-end CRC32C of every slice's payload (config.checksums)");
   app->add_option("--threads", e.threads,
@@ -302,11 +309,23 @@ int run_target(const target_options& o) {
     size = (std::uint64_t{max_tokens / shape.layout.block_tokens} + 1) *
            bytes_per_block_index(shape.layout);
   }
-  fmt::print(stderr, "target: allocating and touching {} ...\n", kvlink::format_size(size));
-  auto mem = kb::make_buffer(size);
+  fmt::print(stderr, "target: allocating and touching {} of {} memory ...\n",
+             kvlink::format_size(size), o.engine.memory);
+  // Shared memory: a same-host initiator maps it and copies with memcpy.
+  std::optional<kb::page_buffer> private_mem;
+  kvlink::shm::shared_memory shared_mem;
+  std::byte* base = nullptr;
+  if (o.engine.memory == "shared") {
+    shared_mem = kvlink::shm::shared_memory::allocate(size);
+    std::memset(shared_mem.data(), 0, size);  // touched, as make_buffer's
+    base = shared_mem.data();
+  } else {
+    private_mem.emplace(size);
+    base = private_mem->data();
+  }
   kb::bench_io bio{o.engine.threads};
   kvlink::engine eng{bio.engine_io().get_executor(), cfg};
-  eng.register_segment(mem.data(), mem.size(), kvlink::access::remote_read_write);
+  eng.register_segment(base, size, kvlink::access::remote_read_write);
   const auto notes = kb::serve_target(bio, eng, size, o.watch_stdin);
   fmt::print(stderr, "target: done, {} notifications received\n", notes);
   return 0;
@@ -355,8 +374,10 @@ struct kv_row {
   std::uint32_t slices = 0;
   std::vector<double> ms;  // sorted
   std::error_code error;
-  /// Same-host rows: a single-core memcpy of the same requests, GB/s (0: none).
+  /// Same-host rows: a single-core memcpy of the same requests, run after
+  /// each transfer, GB/s of the median (0: none).
   double memcpy_gb_per_s = 0;
+  std::vector<double> memcpy_ms;
 
   double median_ms() const {
     if (ms.empty()) return 0;
@@ -385,40 +406,29 @@ std::vector<std::uint32_t> remote_ids(std::uint32_t n, bool scattered) {
   return ids;
 }
 
-// A single-core memcpy of the same requests (lengths and local sources),
-// into a scratch buffer laid end to end (wrapping at 256 MiB): the reference
-// for a same-host transport, which at best is one copy. GB/s, median.
-double memcpy_reference(const std::vector<kvlink::transfer_request>& reqs, std::uint64_t bytes,
-                        std::uint32_t warmup, std::uint32_t iterations) {
+// One single-core memcpy of the same requests (lengths and local buffers)
+// to or from a scratch buffer laid end to end (wrapping at 256 MiB): the
+// reference for a same-host transport, which at best is one copy. ms.
+double memcpy_pass(const std::vector<kvlink::transfer_request>& reqs, std::uint64_t bytes) {
   std::uint64_t largest = 0;
   for (const auto& r : reqs) largest = std::max(largest, r.length);
   const std::uint64_t size =
       std::max<std::uint64_t>(std::min<std::uint64_t>(bytes, 256u << 20), largest);
   static std::vector<std::byte> scratch;
-  if (scratch.size() < size) {
-    scratch.assign(size, std::byte{1});  // touched: no page faults in the timing
-  }
-  std::vector<double> ms;
-  for (std::uint32_t it = 0; it < warmup + iterations; ++it) {
-    std::uint64_t at = 0;
-    const auto t0 = kb::clock_type::now();
-    for (const auto& r : reqs) {
-      if (at + r.length > size) at = 0;
-      const bool pull = r.op == kvlink::opcode::read;  // a READ lands in local memory
-      std::byte* local = static_cast<std::byte*>(r.local);
-      if (pull) {
-        std::memcpy(local, scratch.data() + at, r.length);
-      } else {
-        std::memcpy(scratch.data() + at, local, r.length);
-      }
-      at += r.length;
+  if (scratch.size() < size) scratch.assign(size, std::byte{1});  // touched before timing
+  std::uint64_t at = 0;
+  const auto t0 = kb::clock_type::now();
+  for (const auto& r : reqs) {
+    if (at + r.length > size) at = 0;
+    auto* local = static_cast<std::byte*>(r.local);
+    if (r.op == kvlink::opcode::read) {  // a READ lands in local memory
+      std::memcpy(local, scratch.data() + at, r.length);
+    } else {
+      std::memcpy(scratch.data() + at, local, r.length);
     }
-    const double t = std::chrono::duration<double, std::milli>(kb::clock_type::now() - t0).count();
-    if (it >= warmup) ms.push_back(t);
+    at += r.length;
   }
-  std::sort(ms.begin(), ms.end());
-  const double m = ms.empty() ? 0 : ms[ms.size() / 2];
-  return m > 0 ? static_cast<double>(bytes) / (m / 1e3) / 1e9 : 0;
+  return std::chrono::duration<double, std::milli>(kb::clock_type::now() - t0).count();
 }
 
 struct line_rate_info {
@@ -541,7 +551,7 @@ void print_kv(const kv_options& o, const model_shape& shape, const line_rate_inf
   if (by_memcpy) {
     fmt::print(
         "# reference: a single-core memcpy of each row's own requests (same sizes, same bytes) "
-        "in this process, median of {} runs; memcpy% = kvlink / memcpy\n",
+        "in this process, after each transfer, median of {} runs; memcpy% = kvlink / memcpy\n",
         o.iterations);
   } else {
     fmt::print("# line rate: {}\n",
@@ -628,6 +638,7 @@ int run_kv(const kv_options& o) {
   std::vector<kv_row> rows;
   std::vector<kvlink::transfer_request> reqs;
   int rc = 0;
+  const bool same_host = peer.transport() == "shm";
   for (auto prompt : prompts) {
     kv_row row;
     row.prompt = prompt;
@@ -668,10 +679,18 @@ int run_kv(const kv_options& o) {
         row.ms.push_back(ms);
         row.slices = done->second.slices;
       }
+      // The reference interleaved with the transfers: both see the same
+      // state of a shared machine.
+      if (same_host && !row.error) {
+        const double m = memcpy_pass(reqs, row.bytes);
+        if (it >= o.warmup) row.memcpy_ms.push_back(m);
+      }
     }
     std::sort(row.ms.begin(), row.ms.end());
-    if (!row.error && peer.transport() == "shm") {
-      row.memcpy_gb_per_s = memcpy_reference(reqs, row.bytes, o.warmup, o.iterations);
+    if (!row.error && !row.memcpy_ms.empty()) {
+      std::sort(row.memcpy_ms.begin(), row.memcpy_ms.end());
+      const double m = row.memcpy_ms[row.memcpy_ms.size() / 2];
+      row.memcpy_gb_per_s = m > 0 ? static_cast<double>(row.bytes) / (m / 1e3) / 1e9 : 0;
     }
     if (row.error) {
       fmt::print(stderr, " error: {}\n", row.error.message());

@@ -2,7 +2,7 @@
 // tests (test/unit/engine/two_process_test.cpp).
 //
 //   kvlink_test_peer [--size BYTES] [--seed N] [--access rw|r|w]
-//                    [--config JSON] [--nofile N] [--user UID]
+//                    [--config JSON] [--nofile N] [--user UID] [--shared 0|1]
 //
 // Starts a tcp_engine on 127.0.0.1:0, registers one segment of --size bytes
 // (default 80 MiB) filled with the pattern of --seed (default 1), granted as
@@ -32,7 +32,8 @@
 // --config: settings as JSON (kvlink::config_from_json) on top of a listen
 // address of 127.0.0.1:0; --nofile: the process's file descriptor limit;
 // --user: run as that user id (and group id) from the start, for a test run
-// as root that needs a peer of another user.
+// as root that needs a peer of another user; --shared 1: the segment is
+// kvlink::shm::shared_memory (a same-host peer maps it).
 //
 // EOF on stdin: the engine is destroyed and the process exits 0. Exit 1 on a
 // set-up failure, 2 on bad arguments.
@@ -57,6 +58,7 @@
 #include <list>
 #include <memory>
 #include <optional>
+#include <span>
 #include <sstream>
 #include <string>
 #include <thread>
@@ -126,7 +128,7 @@ std::optional<kvlink::peer> connected;
 
 // Answers the commands that wait for the engine through `reply`, later;
 // false for the others (answer() does those).
-bool answer_later(const std::string& line, std::vector<std::byte>& mem, kvlink::tcp_engine& engine,
+bool answer_later(const std::string& line, std::span<std::byte> mem, kvlink::tcp_engine& engine,
                   std::function<void(std::string)> reply) {
   std::istringstream in(line);
   std::string verb;
@@ -167,7 +169,7 @@ bool answer_later(const std::string& line, std::vector<std::byte>& mem, kvlink::
   return false;
 }
 
-std::string answer(const std::string& line, std::vector<std::byte>& mem,
+std::string answer(const std::string& line, std::span<std::byte> mem,
                    std::list<std::vector<std::byte>>& more, kvlink::tcp_engine& engine) {
   std::istringstream in(line);
   std::string verb;
@@ -227,6 +229,7 @@ int main(int argc, char** argv) {
   std::uint64_t seed = 1;
   kvlink::access granted = kvlink::access::remote_read_write;
   kvlink::config cfg{.listen = "127.0.0.1:0"};
+  bool shared = false;
   for (int i = 1; i < argc; i += 2) {  // every option takes a value
     const std::string arg = argv[i];
     const char* value = i + 1 < argc ? argv[i + 1] : nullptr;
@@ -251,6 +254,10 @@ int main(int argc, char** argv) {
       } catch (const std::exception& e) {
         return usage((std::string("--config: ") + e.what()).c_str());
       }
+    } else if (arg == "--shared") {
+      std::uint64_t v = 0;
+      if (!parse_u64(value, v) || v > 1) return usage("--shared needs 0 or 1");
+      shared = v == 1;
     } else if (arg == "--user") {
       std::uint64_t uid = 0;
       if (!parse_u64(value, uid)) return usage("--user needs a user id");
@@ -275,7 +282,17 @@ int main(int argc, char** argv) {
   std::signal(SIGPIPE, SIG_IGN);
 
   try {
-    std::vector<std::byte> mem(size);
+    // --shared 1: the segment lives in shared memory (shm/memory.hpp),
+    // which a same-host peer maps instead of attaching to our process.
+    std::vector<std::byte> private_mem;
+    kvlink::shm::shared_memory shared_mem;
+    if (shared) {
+      shared_mem = kvlink::shm::shared_memory::allocate(size);
+    } else {
+      private_mem.resize(size);
+    }
+    const std::span<std::byte> mem =
+        shared ? std::span<std::byte>(shared_mem.data(), size) : std::span<std::byte>(private_mem);
     fill_pattern(mem.data(), mem.size(), seed, 0);
     std::list<std::vector<std::byte>> more;  // segments REG adds; outlive the engine
 

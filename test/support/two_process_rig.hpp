@@ -37,10 +37,10 @@ struct rig {
   kvlink::peer peer;
   kvlink::remote_segment remote;  // kept: a dead peer's segment list may be gone
 
+  /// `extra`: more arguments for the child (kvlink_test_peer --shared 1).
   explicit rig(const std::string& access = "rw", std::uint64_t seed = 1,
-               const std::string& transports = "tcp")
-      : child({"--size", std::to_string(segment_size), "--seed", std::to_string(seed), "--access",
-               access, "--config", "{\"transports\": \"" + transports + "\"}"}),
+               const std::string& transports = "tcp", std::vector<std::string> extra = {})
+      : child(child_args(access, seed, transports, std::move(extra))),
         local_mem(segment_size),
         engine(io.get_executor(), config(transports)) {
     engine.register_segment(local_mem.data(), local_mem.size(), kvlink::access::none);
@@ -52,6 +52,17 @@ struct rig {
     peer = out->second;
     REQUIRE(peer.segments().size() == 1);
     remote = peer.segment(0);
+  }
+
+  static std::vector<std::string> child_args(const std::string& access, std::uint64_t seed,
+                                             const std::string& transports,
+                                             std::vector<std::string> extra) {
+    std::vector<std::string> a{"--size",   std::to_string(segment_size),
+                               "--seed",   std::to_string(seed),
+                               "--access", access,
+                               "--config", "{\"transports\": \"" + transports + "\"}"};
+    a.insert(a.end(), extra.begin(), extra.end());
+    return a;
   }
 
   static kvlink::config config(const std::string& transports) {

@@ -122,6 +122,7 @@ class pid_watch {
 
   /// Whether a pidfd could be opened (kernels before 5.3 have none).
   bool watching() const noexcept { return fd_ >= 0; }
+  int fd() const noexcept { return fd_; }
 
   /// True once the process exited (a pidfd polls readable then).
   bool exited() const noexcept {

@@ -37,11 +37,14 @@
 #include <kvlink/detail/log.hpp>
 #include <kvlink/shm/cma.hpp>
 #include <kvlink/shm/config.hpp>
+#include <kvlink/shm/memory.hpp>
 #include <kvlink/transport/transport.hpp>
 
 #include <array>
 #include <atomic>
+#include <climits>
 #include <cstdint>
+#include <cstring>
 #include <map>
 #include <memory>
 #include <mutex>
@@ -57,7 +60,12 @@
 #include <asio/any_io_executor.hpp>
 #include <asio/awaitable.hpp>
 #include <asio/post.hpp>
+#include <fcntl.h>
 #include <nlohmann/json.hpp>
+#include <sys/mman.h>
+#include <sys/stat.h>
+#include <sys/syscall.h>
+#include <unistd.h>
 
 namespace kvlink::shm {
 
@@ -72,10 +80,12 @@ struct peer_process_state {
   explicit peer_process_state(std::int64_t p) : pid(p), watch(p) {}
 };
 
-/// One slice and where it lands in the peer's address space.
+/// One slice and where it lands: in the peer's address space (cross-memory
+/// attach), or in our mapping of the peer's shared memory (memcpy).
 struct copy_item {
   slice_ref s;
   std::uint64_t remote = 0;
+  std::shared_ptr<peer_mapping> map;  // null: cross-memory attach
 };
 
 /// A copy lane: runs the batches its path hands it on a strand of its own,
@@ -110,6 +120,22 @@ class lane : public std::enable_shared_from_this<lane> {
         fatal(errc::peer_closed);
         continue;  // reported above, as failed
       }
+      if (const auto& m = batch[i].map) {
+        const auto& s = batch[i].s;
+        if (host_.stopping(s.op)) {
+          done.push_back({s.op, 0, errc::cancelled});
+        } else {
+          std::byte* there = m->segment() + s.offset;
+          if (s.kind == opcode::read) {
+            std::memcpy(s.local, there, s.length);
+          } else {
+            std::memcpy(there, s.local, s.length);
+          }
+          done.push_back({s.op, s.length, {}});
+        }
+        ++i;
+        continue;
+      }
       i = copy_run(batch, i, done);
     }
     if (!done.empty()) host_.slices_done(done);
@@ -126,7 +152,7 @@ class lane : public std::enable_shared_from_this<lane> {
     std::array<std::size_t, cma::max_iov> which{};
     std::size_t n = 0;
     std::size_t i = first;
-    for (; i < batch.size() && n < cma::max_iov && batch[i].s.kind == kind; ++i) {
+    for (; i < batch.size() && n < cma::max_iov && batch[i].s.kind == kind && !batch[i].map; ++i) {
       const auto& s = batch[i].s;
       if (host_.stopping(s.op)) {
         done.push_back({s.op, 0, errc::cancelled});
@@ -354,6 +380,7 @@ class path final : public data_path, public std::enable_shared_from_this<path> {
     std::uint64_t base = 0;
     std::uint64_t length = 0;
     access granted = access::none;
+    std::shared_ptr<peer_mapping> map;  // the peer's shared memory, mapped here
   };
 
   std::string nonce_text() const { return fmt::format("{:016x}{:016x}", nonce_[0], nonce_[1]); }
@@ -368,7 +395,7 @@ class path final : public data_path, public std::enable_shared_from_this<path> {
       rejects_.push_back({s.op, 0, e});
       return;
     }
-    outbox_[i].push_back({s, l.base + s.offset});
+    outbox_[i].push_back({s, l.base + s.offset, l.map});
   }
 
   void proved(const nlohmann::json& body) {
@@ -411,6 +438,7 @@ class path final : public data_path, public std::enable_shared_from_this<path> {
       return;
     }
     l.granted = *parsed;
+    if (body.contains("fd")) l.map = map_shared(seg, body, l);
     leases_[seg] = l;
     const auto it = waiting_.find(seg);
     if (it == waiting_.end()) return;
@@ -435,6 +463,69 @@ class path final : public data_path, public std::enable_shared_from_this<path> {
     for (const auto& x : it->second) rejects_.push_back({x.second.op, 0, e});
     waiting_.erase(it);
     pump();
+  }
+
+  // The peer's segment lives in its shared memory (shm/memory.hpp): map it
+  // here, through a duplicate of its file descriptor, after checking the
+  // file is the one it named, sealed against shrinking and large enough.
+  // Null (with the reason logged once): copy with cross-memory attach.
+  std::shared_ptr<peer_mapping> map_shared(std::uint64_t seg, const nlohmann::json& body,
+                                           const lease& l) {
+    std::uint64_t fd = 0, off = 0, dev = 0, ino = 0;
+    std::string why;
+    int local = -1;
+    if (!control::get_field(body, "fd", fd) || !control::get_field(body, "fd_offset", off) ||
+        !control::get_field(body, "dev", dev) || !control::get_field(body, "ino", ino) ||
+        fd > static_cast<std::uint64_t>(INT_MAX) || l.length == 0) {
+      why = "its grant is malformed";
+    } else if (!peer_->watch.watching()) {
+      why = "no pidfd for its process";
+    } else {
+#ifdef SYS_pidfd_getfd
+      local =
+          static_cast<int>(::syscall(SYS_pidfd_getfd, peer_->watch.fd(), static_cast<int>(fd), 0));
+      if (local < 0) why = fmt::format("pidfd_getfd: {}", std::strerror(errno));
+#else
+      why = "this build has no pidfd_getfd";
+#endif
+    }
+    std::shared_ptr<peer_mapping> out;
+    if (local >= 0) {
+      struct stat st {};
+      const int seals = ::fcntl(local, F_GET_SEALS);
+      const auto page = static_cast<std::uint64_t>(::sysconf(_SC_PAGESIZE));
+      const std::uint64_t start = off / page * page;
+      if (::fstat(local, &st) != 0 || static_cast<std::uint64_t>(st.st_dev) != dev ||
+          static_cast<std::uint64_t>(st.st_ino) != ino) {
+        why = "its descriptor is not the file it named";
+      } else if (seals < 0 || (seals & F_SEAL_SHRINK) == 0) {
+        why = "its file is not sealed against shrinking";
+      } else if (off > static_cast<std::uint64_t>(st.st_size) ||
+                 l.length > static_cast<std::uint64_t>(st.st_size) - off) {
+        why = "its file is smaller than the segment";
+      } else {
+        const int prot =
+            (static_cast<unsigned>(l.granted) & static_cast<unsigned>(access::remote_write)) != 0
+                ? PROT_READ | PROT_WRITE
+                : PROT_READ;
+        const std::size_t len = static_cast<std::size_t>(off - start + l.length);
+        void* p = ::mmap(nullptr, len, prot, MAP_SHARED, local, static_cast<off_t>(start));
+        if (p == MAP_FAILED) {
+          why = fmt::format("mmap: {}", std::strerror(errno));
+        } else {
+          out = std::make_shared<peer_mapping>(p, len, off - start);
+        }
+      }
+      ::close(local);
+    }
+    if (!out && !mapping_refused_) {
+      mapping_refused_ = true;
+      detail::log(
+          "shm: segment {} of pid {} is in shared memory but cannot be mapped here ({}): "
+          "copying with cross-memory attach",
+          seg, peer_->pid, why);
+    }
+    return out;
   }
 
   // The peer unregisters `seg`: no new copy may start on it, and it hears
@@ -482,6 +573,7 @@ class path final : public data_path, public std::enable_shared_from_this<path> {
   std::array<std::uint64_t, 2> nonce_{};
   bool proven_ = false;
   bool failed_ = false;
+  bool mapping_refused_ = false;
   std::error_code failure_;
 };
 
@@ -666,11 +758,19 @@ class transport final : public kvlink::transport, public std::enable_shared_from
         s.leases.insert(id.value());
       }
     }
-    return nlohmann::json{{"op", "granted"},
-                          {"segment", id.value()},
-                          {"base", static_cast<std::uint64_t>(seg->base)},
-                          {"length", seg->length},
-                          {"access", control::to_string(seg->granted)}};
+    nlohmann::json grant{{"op", "granted"},
+                         {"segment", id.value()},
+                         {"base", static_cast<std::uint64_t>(seg->base)},
+                         {"length", seg->length},
+                         {"access", control::to_string(seg->granted)}};
+    // In shared memory: the peer may map it and copy with memcpy.
+    if (const auto r = find_shared(seg->base, seg->length)) {
+      grant["fd"] = static_cast<std::uint64_t>(r->fd);
+      grant["fd_offset"] = static_cast<std::uint64_t>(seg->base - r->base);
+      grant["dev"] = r->dev;
+      grant["ino"] = r->ino;
+    }
+    return grant;
   }
 
   // The sessions holding a lease on `id`.

@@ -10,6 +10,7 @@
 #include <algorithm>
 #include <array>
 #include <cstring>
+#include <fstream>
 #include <functional>
 #include <future>
 #include <limits>
@@ -230,6 +231,16 @@ struct path_rig {
   }
 };
 
+// Mappings of kvlink's shared memory in this process (/proc/self/maps).
+int memfd_mappings() {
+  std::ifstream maps("/proc/self/maps");
+  int n = 0;
+  for (std::string line; std::getline(maps, line);) {
+    if (line.find("/memfd:kvlink-shm") != std::string::npos) ++n;
+  }
+  return n;
+}
+
 kvlink::detail::transfer_op* op_tag(std::uintptr_t n) {
   return reinterpret_cast<kvlink::detail::transfer_op*>(n);
 }
@@ -348,10 +359,66 @@ TEST_CASE("shm path: slices wait for a lease, copy inside it, and are refused ou
   CHECK_FALSE(r.failed);
 }
 
+TEST_CASE("shm path: a peer's shared memory is mapped, checked, copied with memcpy, and let go") {
+  path_rig r;
+  std::array<char, 32> nonce{};
+  r.prove(nonce);
+  auto peer_mem = kvlink::shm::shared_memory::allocate(1 << 20);
+  REQUIRE(memfd_mappings() == 1);
+  std::vector<std::byte> mine(8192);
+  fill_pattern(mine.data(), mine.size(), 21, 0);
+  const auto& reg = peer_mem.region();
+  auto grant = [&](std::uint64_t ino) {
+    return json{{"op", "granted"},    {"segment", 4u},  {"base", reg.base + 4096},
+                {"length", 8192u},    {"access", "rw"}, {"fd", static_cast<std::uint64_t>(reg.fd)},
+                {"fd_offset", 4096u}, {"dev", reg.dev}, {"ino", ino}};
+  };
+  auto write = [&](std::uintptr_t tag, std::uint64_t off, std::uint64_t len) {
+    kvlink::slice_ref s;
+    s.op = op_tag(tag);
+    s.local = mine.data() + off;
+    s.length = len;
+    s.segment = 4;
+    s.offset = off;
+    s.kind = opcode::write;
+    r.p->enqueue(0, s);
+    r.p->pump();
+  };
+  write(1, 7, 5000);
+  r.p->on_message(grant(reg.ino));
+  REQUIRE(memfd_mappings() == 2);  // ours, and the path's
+  r.u.io.run();
+  r.u.io.restart();
+  REQUIRE(r.u.host.done.size() == 1);
+  CHECK(!r.u.host.done[0].ec);
+  CHECK(is_pattern(peer_mem.data() + 4096 + 7, 5000, 21, 7));
+
+  // Released: the mapping goes once the lanes are done.
+  r.p->on_message(json{{"op", "release"}, {"segment", 4u}});
+  r.u.io.run();
+  r.u.io.restart();
+  CHECK(memfd_mappings() == 1);
+
+  // A grant naming another file is not mapped: the copy goes through
+  // cross-memory attach, to the same bytes.
+  r.u.host.done.clear();
+  write(2, 100, 300);
+  r.p->on_message(grant(reg.ino + 1));
+  CHECK(memfd_mappings() == 1);
+  r.u.io.run();
+  r.u.io.restart();
+  REQUIRE(r.u.host.done.size() == 1);
+  CHECK(!r.u.host.done[0].ec);
+  CHECK(is_pattern(peer_mem.data() + 4096 + 100, 300, 21, 100));
+}
+
 // ------------------------------------------------------------ two processes
 
 TEST_CASE("shm between two processes: WRITE and READ at odd offsets, bytes checked on both sides") {
-  kvlink_test::rig r{"rw", 77, "shm,tcp"};
+  std::string shared;
+  SUBCASE("the child's memory is private: cross-memory attach") { shared = "0"; }
+  SUBCASE("the child's memory is shared_memory: mapped here, memcpy") { shared = "1"; }
+  kvlink_test::rig r{"rw", 77, "shm,tcp", {"--shared", shared}};
   REQUIRE(r.peer.transport() == "shm");
   CHECK(r.peer.transport_reason() == "shm");
 
@@ -367,6 +434,7 @@ TEST_CASE("shm between two processes: WRITE and READ at odd offsets, bytes check
   for (const auto& [off, len] : spans) reads.push_back(r.req(opcode::read, off, off, len));
   const auto got = r.run(reads);
   REQUIRE_MESSAGE(!got.ec, got.ec.message());
+  CHECK(memfd_mappings() == (shared == "1" ? 1 : 0));
   for (const auto& [off, len] : spans) REQUIRE(is_pattern(r.local_mem.data() + off, len, 77, off));
 
   // WRITE the pattern of another seed back over the same odd ranges.
@@ -390,7 +458,10 @@ TEST_CASE("shm between two processes: WRITE and READ at odd offsets, bytes check
 }
 
 TEST_CASE("shm: the target's access grant holds") {
-  kvlink_test::rig r{"r", 3, "shm"};
+  std::string shared;
+  SUBCASE("private") { shared = "0"; }
+  SUBCASE("shared: mapped read-only") { shared = "1"; }
+  kvlink_test::rig r{"r", 3, "shm", {"--shared", shared}};
   REQUIRE(r.peer.transport() == "shm");
   const auto w = r.run({r.req(opcode::write, 0, 0, 4096)});
   CHECK(w.ec == kvlink::errc::access_denied);
@@ -401,7 +472,10 @@ TEST_CASE("shm: the target's access grant holds") {
 
 TEST_CASE(
     "shm: a child killed mid-copy fails the transfer with peer_closed; later ones fail fast") {
-  kvlink_test::rig r{"rw", 9, "shm"};
+  std::string shared;
+  SUBCASE("private") { shared = "0"; }
+  SUBCASE("shared") { shared = "1"; }
+  kvlink_test::rig r{"rw", 9, "shm", {"--shared", shared}};
   REQUIRE(r.peer.transport() == "shm");
   std::optional<kvlink_test::outcome> first;
   int finished = 0;
