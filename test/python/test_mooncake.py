@@ -375,3 +375,17 @@ def test_transfer_timeout_bounds_a_stalled_peer(monkeypatch):
     assert rc == -1
     assert 4 < took < 5 + 0.07 + 2 + 5, took  # timeout + 1 s/GB + fence_timeout + slack
     assert eng.unregister_memory(buf.ctypes.data) == 0
+
+
+def test_same_host_peer_gets_shm(local, peer_process, monkeypatch):
+    """The drop-in reaches a peer on this host with kvlink's one-copy shm
+    transport (protocol "tcp" included); MC_FORCE_TCP=1 keeps it on TCP."""
+    eng, _ = local
+    peer = eng._engine.connect(peer_process.session)
+    assert peer.transport == "shm", peer.transport_reason
+    monkeypatch.setenv("MC_FORCE_TCP", "1")
+    forced = TransferEngine()
+    assert forced.initialize("127.0.0.1", "P2PHANDSHAKE", "tcp", "") == 0
+    p = forced._engine.connect(peer_process.session)
+    assert p.transport == "tcp"
+    assert p.transport_reason == "tcp"
