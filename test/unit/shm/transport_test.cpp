@@ -245,6 +245,20 @@ kvlink::detail::transfer_op* op_tag(std::uintptr_t n) {
   return reinterpret_cast<kvlink::detail::transfer_op*>(n);
 }
 
+// A slice of transfer `tag`: `len` bytes at `off` of `local`, to the same
+// offset of the peer's segment `segment`.
+kvlink::slice_ref make_slice(std::uintptr_t tag, opcode k, std::byte* local, std::uint64_t segment,
+                             std::uint64_t off, std::uint64_t len) {
+  kvlink::slice_ref s;
+  s.op = op_tag(tag);
+  s.local = local + off;
+  s.length = len;
+  s.segment = segment;
+  s.offset = off;
+  s.kind = k;
+  return s;
+}
+
 TEST_CASE("shm path: a peer process that cannot show the nonce is disconnected") {
   path_rig r;
   std::array<char, 32> wrong{};
@@ -267,14 +281,7 @@ TEST_CASE("shm path: slices wait for a lease, copy inside it, and are refused ou
   std::vector<std::byte> peer_mem(4096), mine(4096);
   fill_pattern(mine.data(), mine.size(), 5, 0);
   auto slice = [&](std::uintptr_t tag, opcode k, std::uint64_t off, std::uint64_t len) {
-    kvlink::slice_ref s;
-    s.op = op_tag(tag);
-    s.local = mine.data() + off;
-    s.length = len;
-    s.segment = 9;
-    s.offset = off;
-    s.kind = k;
-    return s;
+    return make_slice(tag, k, mine.data(), 9, off, len);
   };
   r.p->enqueue(0, slice(1, opcode::write, 3, 1001));    // inside
   r.p->enqueue(1, slice(2, opcode::write, 4000, 200));  // past the end
@@ -374,14 +381,7 @@ TEST_CASE("shm path: a peer's shared memory is mapped, checked, copied with memc
                 {"fd_offset", 4096u}, {"dev", reg.dev}, {"ino", ino}};
   };
   auto write = [&](std::uintptr_t tag, std::uint64_t off, std::uint64_t len) {
-    kvlink::slice_ref s;
-    s.op = op_tag(tag);
-    s.local = mine.data() + off;
-    s.length = len;
-    s.segment = 4;
-    s.offset = off;
-    s.kind = opcode::write;
-    r.p->enqueue(0, s);
+    r.p->enqueue(0, make_slice(tag, opcode::write, mine.data(), 4, off, len));
     r.p->pump();
   };
   write(1, 7, 5000);
