@@ -78,6 +78,15 @@ struct peer_process_state {
   std::atomic<int> failure{0};  // an errc value, once failed
 
   explicit peer_process_state(std::int64_t p) : pid(p), watch(p) {}
+
+  /// The first failure wins; lanes report it for what they still hold.
+  void mark_failed(std::error_code ec) noexcept {
+    bool expected = false;
+    if (failed.compare_exchange_strong(expected, true)) {
+      failure.store(ec.category() == error_category() ? ec.value()
+                                                      : static_cast<int>(errc::peer_closed));
+    }
+  }
 };
 
 /// One slice and where it lands: in the peer's address space (cross-memory
@@ -222,11 +231,7 @@ class lane : public std::enable_shared_from_this<lane> {
   }
 
   void fatal(std::error_code ec) {
-    bool expected = false;
-    if (peer_->failed.compare_exchange_strong(expected, true)) {
-      peer_->failure.store(ec.category() == error_category() ? ec.value()
-                                                             : static_cast<int>(errc::peer_closed));
-    }
+    peer_->mark_failed(ec);
     // The path hears first, then the slices are reported (both reach the
     // engine's strand in that order): a transfer that fails with
     // peer_closed finds its peer disconnected.
@@ -332,11 +337,7 @@ class path final : public data_path, public std::enable_shared_from_this<path> {
     auto keep = shared_from_this();  // its owner may drop it when told below
     failed_ = true;
     failure_ = ec;
-    bool expected = false;
-    if (peer_->failed.compare_exchange_strong(expected, true)) {
-      peer_->failure.store(ec.category() == error_category() ? ec.value()
-                                                             : static_cast<int>(errc::peer_closed));
-    }
+    peer_->mark_failed(ec);
     std::vector<slice_report> r = std::move(rejects_);
     rejects_.clear();
     for (auto& o : outbox_) {
@@ -360,11 +361,7 @@ class path final : public data_path, public std::enable_shared_from_this<path> {
       return;
     }
     std::uint64_t seg = 0;
-    if (const auto it = body.find("segment"); it == body.end() || !it->is_number_unsigned()) {
-      return;
-    } else {
-      seg = it->get<std::uint64_t>();
-    }
+    if (!control::get_field(body, "segment", seg)) return;
     if (op == "granted") {
       granted(seg, body);
     } else if (op == "refused") {
@@ -424,15 +421,12 @@ class path final : public data_path, public std::enable_shared_from_this<path> {
   void granted(std::uint64_t seg, const nlohmann::json& body) {
     lease l;
     std::string acc;
-    const auto a = body.find("access");
-    if (!body.contains("base") || !body["base"].is_number_unsigned() || !body.contains("length") ||
-        !body["length"].is_number_unsigned() || a == body.end() || !a->is_string()) {
+    if (!control::get_field(body, "base", l.base) ||
+        !control::get_field(body, "length", l.length) || !control::get_field(body, "access", acc)) {
       refused_with(seg, errc::malformed_message);
       return;
     }
-    l.base = body["base"].get<std::uint64_t>();
-    l.length = body["length"].get<std::uint64_t>();
-    const auto parsed = control::parse_access(a->get<std::string>());
+    const auto parsed = control::parse_access(acc);
     if (!parsed || l.base + l.length < l.base) {
       refused_with(seg, errc::malformed_message);
       return;
