@@ -39,11 +39,12 @@ enum class errc : int {
   metadata_unavailable,       ///< the metadata store (etcd, HTTP) cannot be reached
   name_not_found,             ///< no engine of that name is published in the metadata store
   remote_memory_fault,        ///< a peer's registered memory is not accessible (same-host copy)
+  device_error,               ///< a device runtime call or device copy failed
 };
 
 /// The largest errc value: status fields and error codes that peers send are
 /// checked against it.
-inline constexpr errc errc_last = errc::remote_memory_fault;
+inline constexpr errc errc_last = errc::device_error;
 
 namespace detail {
 
@@ -119,6 +120,9 @@ class error_category_impl final : public std::error_category {
       case errc::remote_memory_fault:
         return "the peer's registered memory is not accessible (it was unmapped or freed without "
                "being unregistered first): that transfer failed";
+      case errc::device_error:
+        return "a device (GPU) runtime call or device copy failed: see the log for the call and "
+               "its error; the transfer that needed it failed";
     }
     return "unknown kvlink error";
   }

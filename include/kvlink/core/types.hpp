@@ -46,16 +46,20 @@ constexpr access required_access(opcode op) noexcept {
   return op == opcode::read ? access::remote_read : access::remote_write;
 }
 
-/// Where a segment's bytes live. Host memory is the only kind until the CUDA
-/// support arrives (memory/ is where device memory is detected and staged).
+/// Where a segment's bytes live. Device memory is found at registration by
+/// the engine's device runtime (memory/device.hpp) and reached by a
+/// transport directly (transport::reaches()) or through staging.
 enum class memory_kind : std::uint8_t {
-  host = 0,  ///< ordinary virtual memory of this process
+  host = 0,    ///< ordinary virtual memory of this process (managed memory included)
+  device = 1,  ///< a device's memory: the CPU cannot touch it, a copy engine moves it
 };
 
 constexpr std::string_view to_string(memory_kind k) noexcept {
   switch (k) {
     case memory_kind::host:
       return "host";
+    case memory_kind::device:
+      return "device";
   }
   return "unknown";
 }
