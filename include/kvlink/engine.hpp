@@ -78,6 +78,7 @@
 #include <kvlink/engine/peer.hpp>
 #include <kvlink/engine/transfer.hpp>
 #include <kvlink/engine/transports.hpp>
+#include <kvlink/memory/emulated.hpp>
 #include <kvlink/metadata/backend.hpp>
 #include <kvlink/shm/transport.hpp>
 #include <kvlink/tcp/transport.hpp>

@@ -16,6 +16,7 @@
 
 #include <kvlink/core/address.hpp>
 #include <kvlink/core/settings.hpp>
+#include <kvlink/memory/config.hpp>
 #include <kvlink/metadata/config.hpp>
 #include <kvlink/rdma/config.hpp>
 #include <kvlink/shm/config.hpp>
@@ -95,6 +96,7 @@ struct config {
   rdma_config rdma{};
   shm_config shm{};
   metadata_config metadata{};
+  device_config device{};
 
   friend bool operator==(const config&, const config&) = default;
 };
@@ -174,6 +176,7 @@ inline std::span<const setting_info> config_table() {
     lift_settings(t, "rdma", &config::rdma, rdma_settings);
     lift_settings(t, "shm", &config::shm, shm_settings);
     lift_settings(t, "metadata", &config::metadata, metadata_settings);
+    lift_settings(t, "device", &config::device, device_settings);
     return t;
   }();
   return table;
@@ -282,6 +285,12 @@ inline std::error_code validate(const config& c, std::string* what = nullptr) {
   }
   if (auto ec = validate(c.metadata, what)) return ec;
   if (auto ec = validate(c.shm, what)) return ec;
+  if (auto ec = validate(c.device, what)) return ec;
+  if (c.device.staging_chunk != 0 && c.device.staging_chunk < c.slice_size + c.min_chunk - 1) {
+    return fail(what, "staging_chunk (" + std::to_string(c.device.staging_chunk) +
+                          ") must be 0 or at least slice_size + min_chunk - 1, the largest slice "
+                          "the planner cuts");
+  }
   return validate(c.rdma, what);
 }
 

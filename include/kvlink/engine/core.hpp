@@ -123,8 +123,28 @@ class engine_core final : public transport_host,
         if (s.get() == session) s->close(why);
       }
     };
-    std::vector<std::shared_ptr<transport>> made;
     std::string what;
+    {
+      // The device runtime (config.device) and its staging: one pool for
+      // our transfers, one for serving peers' accesses (so the two sides
+      // never wait for each other's chunks).
+      std::error_code dec;
+      device_ = device_catalog::global().select(cfg_.device, dec, what);
+      if (dec) throw std::system_error(dec, "kvlink: " + what);
+      if (device_) {
+        const auto chunk = cfg_.device.staging_chunk != 0
+                               ? cfg_.device.staging_chunk
+                               : cfg_.slice_size + (cfg_.min_chunk > 0 ? cfg_.min_chunk - 1 : 0);
+        const auto half = std::max<std::uint64_t>(cfg_.device.staging_bytes / 2, 2 * chunk);
+        staging_ =
+            std::make_shared<staging_pool>(device_, strand_.get_inner_executor(), chunk, half);
+        target_staging_ =
+            std::make_shared<staging_pool>(device_, strand_.get_inner_executor(), chunk, half);
+        env.device = device_;
+        env.target_staging = target_staging_;
+      }
+    }
+    std::vector<std::shared_ptr<transport>> made;
     const std::string wanted =
         cfg_.transports.empty() ? std::string(default_transports) : cfg_.transports;
     if (auto ec = transport_catalog::global().make(wanted, env, cfg_, made, what)) {
@@ -158,7 +178,8 @@ class engine_core final : public transport_host,
         transfers::settings{plan_policy{cfg_.slice_size, cfg_.min_chunk, cfg_.alignment},
                             cfg_.transfer_deadline, cfg_.fence_timeout, cfg_.max_notification,
                             cfg_.checksums},
-        registry_, cache_, [this](peer_id id) { return find_peer(id); }, *this);
+        registry_, cache_, [this](peer_id id) { return find_peer(id); }, *this, staging_,
+        [this](std::int32_t device) { return staging_segment(device); });
     name_ = cfg_.name.empty() ? advertised_ : cfg_.name;
     metadata_ = make_metadata();
   }
@@ -195,7 +216,13 @@ class engine_core final : public transport_host,
                               memory_desc memory, std::error_code& ec,
                               std::string* what = nullptr) {
     std::string why;
-    if (!set_.reaches(memory.kind, why)) {
+    if (auto dec = classify(base, length, memory, why)) {
+      ec = dec;
+      if (what) *what = std::move(why);
+      return {};
+    }
+    // Device memory no transport reaches is staged (memory/staging.hpp).
+    if (!(memory.kind == memory_kind::device && device_) && !set_.reaches(memory.kind, why)) {
       ec = errc::invalid_argument;
       if (what) *what = std::move(why);
       return {};
@@ -218,6 +245,63 @@ class engine_core final : public transport_host,
     }
     announce_segments();
     return id;
+  }
+
+  /// Strand-only: device `device`'s staging region as a local segment that
+  /// peers may not access, for transports that need local memory
+  /// registered (RDMA); 0 when none of ours does, or it failed.
+  std::uint64_t staging_segment(std::int32_t device) {
+    if (set_.find("rdma") == nullptr || !staging_) return 0;
+    auto [it, fresh] = staging_segments_.try_emplace(device, 0);
+    if (!fresh) return it->second;
+    std::string what;
+    if (staging_->prepare(device, what)) return 0;
+    const auto [base, length] = staging_->region(device);
+    std::error_code ec;
+    const auto id = register_segment(base, length, access::none, memory_desc{}, ec, &what);
+    if (ec)
+      log("staging for device {} not registered ({}): device slices over RDMA fail", device, what);
+    it->second = id.value();
+    return it->second;
+  }
+
+  /// The engine's device runtime (null: none).
+  const std::shared_ptr<device_runtime>& device() const noexcept { return device_; }
+
+  /// What the memory at `base` is: host memory stays host unless the device
+  /// runtime says it is device memory; device memory must lie inside one
+  /// allocation; memory stated as device needs a runtime that agrees.
+  std::error_code classify(const void* base, std::uint64_t length, memory_desc& memory,
+                           std::string& why) const {
+    if (!device_) {
+      if (memory.kind == memory_kind::device) {
+        why = fmt::format(
+            "{} is stated to be device memory, but this engine has no device runtime "
+            "(config.device is '{}'; set it to cuda or emulated)",
+            base, cfg_.device.runtime);
+        return errc::invalid_argument;
+      }
+      return {};
+    }
+    const auto info = device_->classify(base);
+    if (info.memory.kind != memory_kind::device) {
+      if (memory.kind == memory_kind::device) {
+        why = fmt::format("{} is stated to be device memory, but the {} runtime says it is not",
+                          base, device_->name());
+        return errc::invalid_argument;
+      }
+      return {};
+    }
+    const auto addr = reinterpret_cast<std::uintptr_t>(base);
+    if (length > info.size - (addr - info.base)) {
+      why = fmt::format(
+          "[{}, +{}) runs past the end of its device allocation ({:#x}, {} bytes): register "
+          "ranges inside one allocation",
+          base, length, info.base, info.size);
+      return errc::invalid_argument;
+    }
+    memory = info.memory;
+    return {};
   }
 
   /// Registration off the caller's executor: pinning gigabytes with every
@@ -930,6 +1014,7 @@ class engine_core final : public transport_host,
     p->name = name;
     p->transport = std::string(choice.chosen->name());
     p->transport_reason = choice.reason;
+    p->reaches = choice.chosen->reaches();
     p->cache = cache_;
     cache_->replace(desc.instance, desc.segments);
     // Segment lists that arrive while the data path connects are kept.
@@ -1085,6 +1170,10 @@ class engine_core final : public transport_host,
 
   strand_type strand_;
   config cfg_;
+  std::shared_ptr<device_runtime> device_;                  // config.device; null: none
+  std::shared_ptr<staging_pool> staging_;                   // our transfers' device slices
+  std::shared_ptr<staging_pool> target_staging_;            // peers' accesses to device segments
+  std::map<std::int32_t, std::uint64_t> staging_segments_;  // strand-only
   instance_id self_;
   segment_registry registry_;
   std::shared_ptr<remote_segment_cache> cache_;

@@ -29,10 +29,11 @@ class engine_core;
 struct peer_state {
   peer_id id;
   instance_id instance;
-  std::string address;           ///< where it was reached (host:port)
-  std::string name;              ///< the name it was connected by (p2p: its address)
-  std::string transport;         ///< the transport that carries its data
-  std::string transport_reason;  ///< why that one (and not the others)
+  std::string address;                      ///< where it was reached (host:port)
+  std::string name;                         ///< the name it was connected by (p2p: its address)
+  std::string transport;                    ///< the transport that carries its data
+  std::string transport_reason;             ///< why that one (and not the others)
+  memory_kinds reaches{memory_kind::host};  ///< what that transport reads and writes directly
   std::shared_ptr<remote_segment_cache> cache;
   std::atomic<bool> alive{true};
   // Strand-only from here.

@@ -17,6 +17,7 @@
 #include <kvlink/detail/erased_handler.hpp>
 #include <kvlink/engine/notify.hpp>
 #include <kvlink/engine/peer.hpp>
+#include <kvlink/memory/staging.hpp>
 #include <kvlink/planner/slice_planner.hpp>
 #include <kvlink/transport/transport.hpp>
 
@@ -62,6 +63,8 @@ struct transfer_options {
 
 namespace detail {
 
+struct staged_slice;
+
 /// One transfer's state. Strand-only, except `stopping`, which transports
 /// read from their strands while they hold one of its slices.
 struct transfer_op {
@@ -79,6 +82,27 @@ struct transfer_op {
   std::vector<std::shared_ptr<peer_state>> peers;  // peers it moves data with
   std::vector<segment_id> local_segments;          // pinned until it completes
   std::optional<notification> notify{};
+  // Device memory through staging: the slices staged for it, and, on a
+  // staged slice's carrier (the transfer its path sees), that slice.
+  std::vector<std::unique_ptr<staged_slice>> staged;
+  staged_slice* carrier_of = nullptr;
+};
+
+/// A slice of device memory whose transport does not reach it: it borrows a
+/// pinned chunk (memory/staging.hpp), is copied device -> chunk before a
+/// WRITE is sent and chunk -> device after a READ arrived, and counts as
+/// resolved only once that copy finished. Its path sees `carrier` as its
+/// transfer, so the path's report comes back to this slice.
+struct staged_slice {
+  enum class step { waiting, copying, on_path, done };
+  transfer_op carrier;
+  transfer_op* parent = nullptr;
+  std::shared_ptr<data_path> path;
+  std::size_t lane = 0;
+  slice_ref ref;  // as planned: `local` is the device memory
+  std::int32_t device = -1;
+  std::byte* chunk = nullptr;
+  step at = step::waiting;
 };
 
 class transfers : public std::enable_shared_from_this<transfers> {
@@ -86,6 +110,9 @@ class transfers : public std::enable_shared_from_this<transfers> {
   using strand_type = asio::strand<asio::any_io_executor>;
   using handler = erased_handler<void(std::error_code, transfer_result)>;
   using peer_lookup = std::function<std::shared_ptr<peer_state>(peer_id)>;
+  /// The staging region of a device as a registered local segment (for
+  /// transports that need local registration: RDMA); 0 for none.
+  using staging_segment_fn = std::function<std::uint64_t(std::int32_t device)>;
 
   struct settings {
     plan_policy policy;
@@ -99,13 +126,16 @@ class transfers : public std::enable_shared_from_this<transfers> {
   /// that unregistering one waits for it (transport_host::pin / unpin).
   transfers(strand_type strand, settings s, const segment_registry& registry,
             std::shared_ptr<remote_segment_cache> cache, peer_lookup find_peer,
-            transport_host& pins)
+            transport_host& pins, std::shared_ptr<staging_pool> staging = nullptr,
+            staging_segment_fn staging_segment = nullptr)
       : strand_(std::move(strand)),
         settings_(s),
         registry_(registry),
         cache_(std::move(cache)),
         find_peer_(std::move(find_peer)),
-        pins_(pins) {}
+        pins_(pins),
+        staging_(std::move(staging)),
+        staging_segment_(std::move(staging_segment)) {}
 
   std::uint64_t next_id() noexcept { return next_id_.fetch_add(1, std::memory_order_relaxed); }
 
@@ -131,8 +161,9 @@ class transfers : public std::enable_shared_from_this<transfers> {
     // Validate everything before anything moves: a bad request fails the
     // whole batch with nothing transferred.
     std::vector<group> groups;
+    bool device_memory = false;
     for (const auto& r : reqs) {
-      if (auto ec = validate(r, groups)) {
+      if (auto ec = validate(r, groups, device_memory)) {
         op->error = ec;
         complete(op);
         return;
@@ -172,15 +203,30 @@ class transfers : public std::enable_shared_from_this<transfers> {
       op->peers.push_back(g.p);
       op->paths.push_back(g.p->path);
       std::vector<bool> used(g.p->path->lane_weights().size(), false);
+      const bool stage = device_memory && staging_ && !g.p->reaches.contains(memory_kind::device);
       for (const auto& s : slices) {
-        g.p->path->enqueue(s.lane, slice_ref{op, reinterpret_cast<std::byte*>(s.local_addr),
-                                             s.length, s.remote_segment.value(), s.remote_offset,
-                                             s.op, 0, s.local_segment.value(), checksum});
+        const slice_ref ref{op,
+                            reinterpret_cast<std::byte*>(s.local_addr),
+                            s.length,
+                            s.remote_segment.value(),
+                            s.remote_offset,
+                            s.op,
+                            0,
+                            s.local_segment.value(),
+                            checksum};
         ++op->pending;
         if (!used[s.lane]) {
           used[s.lane] = true;
           ++op->result.lanes;
         }
+        if (stage) {
+          const auto seg = registry_.get(s.local_segment);
+          if (seg && seg->memory.kind == memory_kind::device) {
+            stage_slice(op, g.p->path, s.lane, ref, seg->memory.device);
+            continue;
+          }
+        }
+        g.p->path->enqueue(s.lane, ref);
       }
     }
     if (op->pending == 0) {  // an empty batch
@@ -263,7 +309,8 @@ class transfers : public std::enable_shared_from_this<transfers> {
 
   // Everything a request says is checked here, before anything is sent: the
   // peer never sees a frame the initiator could have refused.
-  std::error_code validate(const transfer_request& r, std::vector<group>& groups) {
+  std::error_code validate(const transfer_request& r, std::vector<group>& groups,
+                           bool& device_memory) {
     if (r.op != opcode::read && r.op != opcode::write) return errc::invalid_argument;
     if (r.length == 0 || r.local == nullptr) return errc::invalid_argument;
     if (r.length >
@@ -272,6 +319,7 @@ class transfers : public std::enable_shared_from_this<transfers> {
     }
     segment_info local;
     if (auto ec = registry_.locate(r.local, r.length, local)) return ec;
+    device_memory = device_memory || local.memory.kind == memory_kind::device;
     auto p = find_peer_(r.remote.peer);
     if (!p) return errc::unknown_peer;
     if (!p->alive.load(std::memory_order_relaxed) || !p->path) {
@@ -299,6 +347,10 @@ class transfers : public std::enable_shared_from_this<transfers> {
   }
 
   void on_slice_done(transfer_op* op, std::uint64_t bytes, std::error_code ec) {
+    if (op->carrier_of != nullptr) {
+      staged_done(op->carrier_of, bytes, ec);
+      return;
+    }
     op->result.bytes += bytes;
     --op->pending;
     if (ec && !op->stopping) {
@@ -317,6 +369,15 @@ class transfers : public std::enable_shared_from_this<transfers> {
     if (op->deadline) op->deadline->cancel();
     std::size_t dropped = 0;
     for (auto& p : op->paths) dropped += p->drop_queued(op);
+    for (auto& st : op->staged) {
+      st->carrier.stopping.store(true, std::memory_order_release);
+      // Waiting for a chunk or a copy: resolved when that comes back.
+      if (st->at == staged_slice::step::on_path && st->path->drop_queued(&st->carrier) > 0) {
+        release_chunk(*st);
+        st->at = staged_slice::step::done;
+        ++dropped;
+      }
+    }
     op->pending -= dropped;
     if (op->pending == 0) {
       complete(op);
@@ -341,6 +402,103 @@ class transfers : public std::enable_shared_from_this<transfers> {
       // Other transfers on what is closed fail too: their peer stopped answering.
       if (p->has_in_flight(op)) p->fence(op, errc::peer_closed);
     }
+    std::vector<std::pair<std::shared_ptr<data_path>, transfer_op*>> carriers;
+    if (auto* o = find(id)) {
+      for (auto& st : o->staged) {
+        if (st->at == staged_slice::step::on_path) carriers.emplace_back(st->path, &st->carrier);
+      }
+    }
+    for (auto& [p, carrier] : carriers) {
+      if (find(id) == nullptr) return;
+      if (p->has_in_flight(carrier)) p->fence(carrier, errc::peer_closed);
+    }
+  }
+
+  // ----------------------------------------------------------------- staging
+
+  /// Strand-only: `ref` (local device memory) goes through a staging chunk.
+  void stage_slice(transfer_op* op, std::shared_ptr<data_path> path, std::size_t lane,
+                   const slice_ref& ref, std::int32_t device) {
+    auto st = std::make_unique<staged_slice>();
+    auto* sp = st.get();
+    sp->carrier.id = op->id;
+    sp->carrier.carrier_of = sp;
+    sp->parent = op;
+    sp->path = std::move(path);
+    sp->lane = lane;
+    sp->ref = ref;
+    sp->device = device;
+    op->staged.push_back(std::move(st));
+    // The op outlives its staged slices (each counts in op->pending), and
+    // `self` keeps this object alive until the chunk arrives.
+    staging_->acquire(device, strand_, [self = shared_from_this(), sp](std::byte* chunk) {
+      self->on_chunk(sp, chunk);
+    });
+  }
+
+  void on_chunk(staged_slice* sp, std::byte* chunk) {
+    sp->chunk = chunk;
+    if (chunk == nullptr) {
+      finish_staged(sp, 0, errc::device_error);
+      return;
+    }
+    if (stopping(sp->parent)) {
+      finish_staged(sp, 0, errc::cancelled);
+      return;
+    }
+    if (sp->ref.kind == opcode::read) {
+      send_staged(sp);
+      return;
+    }
+    sp->at = staged_slice::step::copying;
+    staging_->copy(sp->device, chunk, memory_desc{}, sp->ref.local,
+                   memory_desc{memory_kind::device, sp->device},
+                   static_cast<std::size_t>(sp->ref.length), strand_,
+                   [self = shared_from_this(), sp](std::error_code ec) {
+                     if (ec) {
+                       self->finish_staged(sp, 0, ec);
+                     } else if (stopping(sp->parent)) {
+                       self->finish_staged(sp, 0, errc::cancelled);
+                     } else {
+                       self->send_staged(sp);
+                     }
+                   });
+  }
+
+  void send_staged(staged_slice* sp) {
+    sp->at = staged_slice::step::on_path;
+    slice_ref r = sp->ref;
+    r.op = &sp->carrier;
+    r.local = sp->chunk;
+    r.local_segment = staging_segment_ ? staging_segment_(sp->device) : 0;
+    sp->path->enqueue(sp->lane, r);
+    sp->path->pump();
+  }
+
+  /// The path resolved a staged slice's carrier.
+  void staged_done(staged_slice* sp, std::uint64_t bytes, std::error_code ec) {
+    if (ec || sp->ref.kind == opcode::write) {
+      finish_staged(sp, ec ? 0 : bytes, ec);
+      return;
+    }
+    // A READ's bytes are in the chunk: into device memory before it counts.
+    sp->at = staged_slice::step::copying;
+    staging_->copy(sp->device, sp->ref.local, memory_desc{memory_kind::device, sp->device},
+                   sp->chunk, memory_desc{}, static_cast<std::size_t>(bytes), strand_,
+                   [self = shared_from_this(), sp, bytes](std::error_code cec) {
+                     self->finish_staged(sp, cec ? 0 : bytes, cec);
+                   });
+  }
+
+  void release_chunk(staged_slice& st) {
+    if (st.chunk != nullptr) staging_->release(st.device, st.chunk);
+    st.chunk = nullptr;
+  }
+
+  void finish_staged(staged_slice* sp, std::uint64_t bytes, std::error_code ec) {
+    release_chunk(*sp);
+    sp->at = staged_slice::step::done;
+    on_slice_done(sp->parent, bytes, ec);
   }
 
   void complete(transfer_op* op) {
@@ -408,6 +566,8 @@ class transfers : public std::enable_shared_from_this<transfers> {
   std::shared_ptr<remote_segment_cache> cache_;
   peer_lookup find_peer_;
   transport_host& pins_;
+  std::shared_ptr<staging_pool> staging_;  // null: no device runtime
+  staging_segment_fn staging_segment_;
   std::atomic<std::uint64_t> next_id_{1};
   std::unordered_map<std::uint64_t, std::unique_ptr<transfer_op>> ops_;  // strand-only
 };

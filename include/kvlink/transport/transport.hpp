@@ -24,6 +24,8 @@
 #include <kvlink/core/instance.hpp>
 #include <kvlink/core/segment_registry.hpp>
 #include <kvlink/core/types.hpp>
+#include <kvlink/memory/device.hpp>
+#include <kvlink/memory/staging.hpp>
 
 #include <chrono>
 #include <cstddef>
@@ -191,6 +193,14 @@ struct transport_env {
   /// Target side: closes the control session `session` (a peer that broke
   /// the transport's rules, or kept memory past fence_timeout). Strand-only.
   std::function<void(const void* session, std::error_code why)> session_close{};
+
+  /// The engine's device runtime (config.device; null: none). A transport
+  /// whose reaches() lacks memory_kind::device serves its peers' accesses
+  /// to device segments through `target_staging` (a WRITE lands in a pinned
+  /// chunk, then is copied to the device; it is acknowledged only after
+  /// that copy finished).
+  std::shared_ptr<device_runtime> device{};
+  std::shared_ptr<staging_pool> target_staging{};
 
   /// A new strand for one connection's I/O (the engine's strand without `io`).
   asio::any_io_executor io_strand() const {
