@@ -142,6 +142,7 @@ class engine_core final : public transport_host,
             std::make_shared<staging_pool>(device_, strand_.get_inner_executor(), chunk, half);
         env.device = device_;
         env.target_staging = target_staging_;
+        env.staging = staging_;
       }
     }
     std::vector<std::shared_ptr<transport>> made;

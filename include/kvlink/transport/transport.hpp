@@ -201,6 +201,11 @@ struct transport_env {
   /// that copy finished).
   std::shared_ptr<device_runtime> device{};
   std::shared_ptr<staging_pool> target_staging{};
+  /// The initiator side's staging (the engine stages local device slices
+  /// itself for transports that do not reach device memory; one that does,
+  /// shm, may borrow chunks here for the combinations it cannot copy
+  /// directly).
+  std::shared_ptr<staging_pool> staging{};
 
   /// A new strand for one connection's I/O (the engine's strand without `io`).
   asio::any_io_executor io_strand() const {
