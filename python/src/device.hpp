@@ -26,6 +26,7 @@
 #include <mutex>
 #include <optional>
 #include <string>
+#include <string_view>
 #include <system_error>
 #include <utility>
 
@@ -84,16 +85,17 @@ class device_copier {
 };
 
 /// The runtime `name` names (as config.device does: "auto" is CUDA where
-/// present). null for "none" and for "auto" without a GPU; kvlink.Error for
-/// a runtime this module lacks or one not usable here.
-inline std::shared_ptr<device_runtime> runtime_named(const std::string& name) {
+/// present). null for "none" and for "auto" without a GPU; kvlink.Error
+/// saying `who` asked for a runtime this module lacks or one not usable here.
+inline std::shared_ptr<device_runtime> runtime_named(const std::string& name,
+                                                     std::string_view who) {
   device_config c;
   c.runtime = name;
   std::string what;
-  if (validate(c, &what)) raise_error_text(errc::invalid_argument, "device runtime", what);
-  std::error_code ec;
-  auto rt = device_catalog::global().select(c, ec, what);
-  if (ec) raise_error_text(ec, "device runtime", what);
+  std::error_code ec = validate(c, &what);
+  std::shared_ptr<device_runtime> rt;
+  if (!ec) rt = device_catalog::global().select(c, ec, what);
+  if (ec) raise_error_text(ec, who, fmt::format("{}: {} [{}]", who, what, error_name(ec)));
   return rt;
 }
 
@@ -103,7 +105,7 @@ inline std::shared_ptr<device_runtime> runtime_named(const std::string& name) {
 class py_device_buffer {
  public:
   py_device_buffer(std::uint64_t nbytes, std::int32_t device, const std::string& runtime) {
-    rt_ = runtime_named(runtime);
+    rt_ = runtime_named(runtime, fmt::format("DeviceBuffer(runtime='{}')", runtime));
     if (!rt_) {
       raise_error_text(errc::no_device, "DeviceBuffer",
                        fmt::format("DeviceBuffer: runtime '{}' finds no GPU runtime here "
