@@ -5,7 +5,7 @@ engine): kvlink.DeviceBuffer, Engine registration of device memory
 device memory on one engine and host memory on another, bytes checked
 through the copy engine; the Mooncake drop-in with "cuda:0" locations and
 its *_on_cuda calls. That a CPU touch of emulated device memory faults is
-shown by the C++ tests (test/unit/memory/emulated_test.cpp)."""
+left to the C++ tests of the emulated device (a fault here would end pytest)."""
 
 import logging
 
