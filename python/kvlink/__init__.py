@@ -5,6 +5,7 @@
     eng = kvlink.Engine(listen="127.0.0.1:0")          # settings: kvlink.config_table()
     kv = np.zeros(1 << 20, np.uint8)
     eng.register(kv)                                   # any writable buffer, a torch tensor, or (address, length)
+    eng.register(gpu_kv)                               # device memory: a CUDA tensor, __cuda_array_interface__, DLPack
     peer = eng.connect("127.0.0.1:17001")              # the peer's local_address
     seg = peer.segments()[0]
     eng.write(peer, kvlink.address_of(kv), seg.base, kv.nbytes)       # by the peer's address
@@ -18,6 +19,14 @@ entries). Every failure raises kvlink.Error, whose `errc` is the error's name
 ("not_registered", "deadline_exceeded", ...). Blocking calls release the GIL;
 an Engine may be used from many threads at once; a completed transfer is in
 the destination's memory (WRITE: placed and acknowledged by the peer).
+
+Device (GPU) memory: with a device runtime (setting `device`, KVLINK_DEVICE:
+"auto" = CUDA where this build has it and a GPU is present; "emulated" = a
+CPU-only stand-in for tests and CI), register() takes torch CUDA tensors and
+any object with `__cuda_array_interface__` or a CUDA `__dlpack_device__`, and
+plain (address, length) of device memory; transfers move it through the
+device's copy engine (the CPU never touches it). kvlink.DeviceBuffer is device
+memory of a runtime for tests and CI (no GPU needed with runtime="emulated").
 """
 
 from __future__ import annotations
@@ -34,7 +43,7 @@ from . import _kvlink
 
 __all__ = [
     "Engine", "Error", "Peer", "Notification", "TransferResult", "SegmentInfo", "Operation",
-    "READ", "WRITE", "address_of", "config_table", "make_config", "describe", "__version__",
+    "DeviceBuffer", "READ", "WRITE", "address_of", "config_table", "make_config", "describe", "__version__",
 ]
 
 __version__: str = _kvlink.__version__
@@ -44,6 +53,11 @@ Notification = _kvlink.Notification
 TransferResult = _kvlink.TransferResult
 SegmentInfo = _kvlink.SegmentInfo
 Operation = _kvlink.Operation
+# Device memory of a runtime ("emulated": no GPU needed), filled and read only
+# through its copy engine: DeviceBuffer(nbytes, device=0, runtime="emulated")
+# with .ptr, .nbytes, .write(offset, data), .read(offset, n) and
+# __cuda_array_interface__. A test and CI aid, not an allocator for serving.
+DeviceBuffer = _kvlink.DeviceBuffer
 
 READ = 0   # remote -> local
 WRITE = 1  # local -> remote
@@ -89,26 +103,131 @@ def describe(config: Optional[Dict[str, Any]] = None, **settings: Any) -> str:
 # --------------------------------------------------------------- memory
 
 def address_of(obj: Any) -> int:
-    """The address of a contiguous buffer (numpy array, bytearray, ...) or a
-    torch tensor (data_ptr()). Keep `obj` alive while the address is used."""
+    """The address of a contiguous buffer (numpy array, bytearray, ...), a
+    torch tensor (data_ptr()) or device memory (__cuda_array_interface__).
+    Keep `obj` alive while the address is used."""
     if hasattr(obj, "data_ptr"):
         return int(obj.data_ptr())
+    cai = getattr(obj, "__cuda_array_interface__", None)
+    if cai is not None:
+        return int(cai["data"][0])
     return _kvlink.buffer_address(obj, False)[0]
 
 
-def _memory_of(obj: Any) -> tuple:
-    """(address, bytes, pin) of something to register; `pin` keeps it alive."""
+_DLPACK_CPU = 1
+_DLPACK_CUDA = 2
+_DLPACK_CUDA_HOST = 3      # pinned host memory
+_DLPACK_CUDA_MANAGED = 13  # managed memory: the CPU may touch it (host to kvlink)
+
+
+def _what(obj: Any) -> str:
+    return type(obj).__name__
+
+
+def _dlpack_device(obj: Any) -> Optional[tuple]:
+    fn = getattr(obj, "__dlpack_device__", None)
+    if fn is None:
+        return None
+    try:
+        kind, index = fn()
+        return int(kind), int(index)
+    except Exception:  # a malformed exporter: treat as none
+        return None
+
+
+def _cuda_array(obj: Any, cai: Any) -> tuple:
+    """(address, bytes) of a __cuda_array_interface__ (version 0-3);
+    contiguous arrays only, kvlink registers one address range."""
+    try:
+        ptr, readonly = cai["data"]
+        shape = tuple(int(d) for d in cai["shape"])
+        typestr = str(cai["typestr"])
+        itemsize = int(typestr[2:])
+        strides = cai.get("strides")
+    except (KeyError, TypeError, ValueError, IndexError) as e:
+        raise _error("invalid_argument",
+                     f"register: {_what(obj)}.__cuda_array_interface__ is malformed ({e!r})")
+    if cai.get("mask") is not None:
+        raise _error("invalid_argument",
+                     f"register: {_what(obj)} is a masked device array; kvlink registers "
+                     "plain memory")
+    if readonly:
+        raise _error("invalid_argument",
+                     f"register: {_what(obj)} is read-only (its __cuda_array_interface__ says "
+                     "so); registered memory may be written by transfers")
+    nbytes = itemsize
+    for d in shape:
+        nbytes *= d
+    if strides is not None:
+        # C order; the stride of a dimension of length 1 does not matter.
+        expected = itemsize
+        for d, st in zip(reversed(shape), reversed(tuple(int(x) for x in strides))):
+            if d != 1 and st != expected:
+                raise _error("invalid_argument",
+                             f"register: {_what(obj)} is not C-contiguous (shape {shape}, "
+                             f"strides {tuple(strides)}, typestr {typestr!r}); register a "
+                             "contiguous array or its base allocation")
+            expected *= d
+    return int(ptr or 0), nbytes
+
+
+def _device_memory_of(obj: Any) -> Optional[tuple]:
+    """(address, bytes, device) of device memory: a torch CUDA tensor, an
+    object with __cuda_array_interface__ or a CUDA DLPack object; None for
+    anything else. `device` is -1 where the object does not say."""
     if hasattr(obj, "data_ptr") and hasattr(obj, "element_size"):  # a torch tensor
-        if getattr(obj, "is_cuda", False) or str(getattr(obj, "device", "cpu")) != "cpu":
+        if not getattr(obj, "is_cuda", False):
+            return None
+        # The tensor's storage from data_ptr() on (a view's too): vLLM and
+        # SGLang address KV blocks inside it.
+        addr = int(obj.data_ptr())
+        storage = obj.untyped_storage() if hasattr(obj, "untyped_storage") else None
+        if storage is not None:
+            size = int(storage.data_ptr()) + int(storage.nbytes()) - addr
+        else:
+            size = int(obj.numel() * obj.element_size())
+        index = getattr(obj.device, "index", None)
+        return addr, size, -1 if index is None else int(index)
+    dl = _dlpack_device(obj)
+    cai = getattr(obj, "__cuda_array_interface__", None)
+    if cai is not None:
+        if dl is not None and dl[0] in (_DLPACK_CPU, _DLPACK_CUDA_HOST, _DLPACK_CUDA_MANAGED):
+            return None  # memory the CPU may touch: registered as host memory
+        addr, size = _cuda_array(obj, cai)
+        return addr, size, dl[1] if dl is not None and dl[0] == _DLPACK_CUDA else -1
+    if dl is not None and dl[0] == _DLPACK_CUDA:
+        if hasattr(obj, "data_ptr") and hasattr(obj, "nbytes"):
+            return int(obj.data_ptr()), int(obj.nbytes), dl[1]
+        raise _error("invalid_argument",
+                     f"register: {_what(obj)} is CUDA memory (DLPack device {dl}) without "
+                     "__cuda_array_interface__ or data_ptr()/nbytes to find its address; "
+                     "register (address, length) instead")
+    return None
+
+
+def _memory_of(obj: Any) -> tuple:
+    """(address, bytes, pin, device) of something to register; `pin` keeps it
+    alive; `device` is None for host memory, else the device (-1: unknown)."""
+    dev = _device_memory_of(obj)
+    if dev is not None:
+        addr, size, index = dev
+        return addr, size, obj, index
+    if hasattr(obj, "data_ptr") and hasattr(obj, "element_size"):  # a torch tensor
+        if str(getattr(obj, "device", "cpu")) != "cpu":
             raise _error("invalid_argument",
-                         f"register: a tensor on {obj.device}: kvlink moves host memory only "
-                         "until its GPU support lands")
+                         f"register: a tensor on {obj.device}: kvlink reaches CPU and CUDA "
+                         "memory")
         if not obj.is_contiguous():
             raise _error("invalid_argument", "register: the tensor is not contiguous")
-        return int(obj.data_ptr()), int(obj.numel() * obj.element_size()), obj
+        return int(obj.data_ptr()), int(obj.numel() * obj.element_size()), obj, None
+    dl = _dlpack_device(obj)
+    if dl is not None and dl[0] not in (_DLPACK_CPU, _DLPACK_CUDA_HOST, _DLPACK_CUDA_MANAGED):
+        raise _error("invalid_argument",
+                     f"register: {_what(obj)} lives on DLPack device {dl}: kvlink reaches CPU "
+                     "and CUDA memory")
     view = memoryview(obj)  # pins the exporter's memory while registered
     addr, length = _kvlink.buffer_address(obj, True)
-    return addr, length, view
+    return addr, length, view, None
 
 
 def _deadline_ms(deadline: Any) -> Optional[int]:
@@ -242,22 +361,35 @@ class Engine:
     def config(self) -> Dict[str, Any]:
         return json.loads(self._core.config_json())
 
+    @property
+    def device_runtime(self) -> Optional[str]:
+        """The device runtime device memory goes through ("cuda", "emulated"),
+        None without one (setting `device`, KVLINK_DEVICE)."""
+        return self._core.device_runtime
+
     # -- memory
     def register(self, memory: Any, length: Optional[int] = None, *,
-                 access: str = "read_write") -> int:
+                 access: str = "read_write", device: Optional[int] = None) -> int:
         """Registers memory for transfers and for peers to access ("none",
-        "read", "write", "read_write"): an address with `length`, or any
-        writable contiguous buffer (numpy array, bytearray, mmap) or CPU torch
-        tensor, which stays referenced until unregistered. Returns the segment id."""
+        "read", "write", "read_write"): an address with `length`, any
+        writable contiguous buffer (numpy array, bytearray, mmap), a torch
+        tensor (CPU, or CUDA: its storage from data_ptr() on), or device
+        memory (__cuda_array_interface__, contiguous; a CUDA DLPack object),
+        which stays referenced until unregistered. Device memory needs the
+        engine's device runtime (setting `device`); an address is device
+        memory where that runtime says so, or where `device` states it (the
+        device's index; -1: any). Returns the segment id."""
         if isinstance(memory, int):
             if length is None:
                 raise TypeError("register(address, length): the length is missing")
-            addr, size, pin = memory, int(length), None
+            addr, size, pin, dev = memory, int(length), None, device
         else:
-            addr, size, pin = _memory_of(memory)
+            addr, size, pin, dev = _memory_of(memory)
+            if device is not None:
+                dev = device
             if length is not None:
                 size = min(size, int(length))
-        seg = self._core.register(addr, size, access)
+        seg = self._core.register(addr, size, access, dev)
         if pin is not None:
             with self._lock:
                 self._pins[seg] = pin

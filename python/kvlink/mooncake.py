@@ -35,12 +35,25 @@ finds it). What differs, and why:
   bad entry moves nothing, and every call that returns has finished touching
   memory, except the async ones, whose ids are waited for by
   get_batch_transfer_status / transfer_check_status.
-- Memory: host memory only until kvlink's GPU support lands (a "cuda:N"
-  location gives -1). allocate_managed_buffer maps and registers one buffer
-  per call (no slab pool); write_bytes_to_buffer / read_bytes_from_buffer
-  accept only memory registered with this engine.
+- Memory: host memory, and GPU memory where the engine has a device runtime
+  (kvlink's `device` setting, KVLINK_DEVICE: "auto", the default, is CUDA
+  where this build has kvlink::cuda and a GPU is present; "emulated" is the
+  CPU-only stand-in for tests and CI). register_memory(ptr, len, "cuda:N")
+  (batch_register_memory too) registers device memory, which transfers move
+  through the device's copy engine and pinned staging; with location "*" the
+  runtime finds device memory itself. Without a device runtime a "cuda"
+  location gives -1 saying so; "npu", "musa" and "hip" give -1.
+  allocate_managed_buffer maps and registers one buffer per call (no slab
+  pool); write_bytes_to_buffer / read_bytes_from_buffer accept only memory
+  registered with this engine (device memory through its copy engine).
+  transfer_write_on_cuda / transfer_read_on_cuda / batch_transfer_*_on_cuda
+  (Mooncake's signatures, stream_ptr a cudaStream_t as an int) wait for the
+  work queued on the stream before them, then transfer and return once the
+  bytes are in place, so work queued on the stream afterwards sees them (the
+  caller blocks where Mooncake's stream does); a failure raises RuntimeError
+  (Mooncake's stream callback exits the process).
 - get_engine() / get_engine_ptr() (Mooncake's C++ engine, for mooncake.store)
-  and the *_on_cuda calls raise NotImplementedError.
+  raise NotImplementedError.
 
 KVLINK_* variables (kvlink.config_table()) apply too, e.g. KVLINK_AUTH_SECRET.
 """
@@ -238,18 +251,33 @@ class TransferEngine:
     # ------------------------------------------------------------ memory
 
     def register_memory(self, buffer_addr, capacity, location="*") -> int:
+        """`location`: "*" or "cpu[:N]" (host memory, or device memory where
+        the engine's device runtime finds it), "cuda[:N]" (device memory)."""
         eng = self._ready("register_memory")
         if eng is None:
             return -1
-        if str(location).startswith(("cuda", "npu", "musa", "hip")):
-            log.error("register_memory(%#x): location %r: kvlink moves host memory only until "
-                      "its GPU support lands", buffer_addr, location)
+        where = str(location or "*").strip().lower()
+        kind, _, index = where.partition(":")
+        device = None
+        if kind in ("npu", "musa", "hip", "ascend", "maca"):
+            log.error("register_memory(%#x): location %r: kvlink reaches CPU and CUDA memory only",
+                      buffer_addr or 0, location)
             return -1
+        if kind == "cuda":
+            if eng.device_runtime is None:
+                log.error("register_memory(%#x, %d, %r): this engine has no device runtime for GPU "
+                          "memory (kvlink's `device` setting is %r; KVLINK_DEVICE=cuda needs a GPU "
+                          "and a kvlink built with CUDA, this one has: %s)", buffer_addr or 0,
+                          capacity or 0, location, eng.config.get("device"),
+                          _kvlink.device_runtimes())
+                return -1
+            device = int(index) if index.isdigit() else -1
         try:
-            eng.register(int(buffer_addr), int(capacity))
+            eng.register(int(buffer_addr), int(capacity), device=device)
             return 0
         except (kvlink.Error, TypeError, ValueError, OverflowError) as e:
-            log.error("register_memory(%#x, %d): %s", buffer_addr or 0, capacity or 0, e)
+            log.error("register_memory(%#x, %d, %r): %s", buffer_addr or 0, capacity or 0,
+                      location, e)
             return -1
 
     def unregister_memory(self, buffer_addr, /) -> int:
@@ -414,12 +442,69 @@ class TransferEngine:
             log.error("transfer %s: %s", batch_id, e)
             return -2 if e.errc == "deadline_exceeded" else -1
 
-    def transfer_write_on_cuda(self, *args, **kwargs):
-        raise NotImplementedError("kvlink.mooncake: *_on_cuda transfers need kvlink's GPU support")
+    def transfer_write_on_cuda(self, target_hostname, buffer, peer_buffer_address, length,
+                               stream_ptr=0, transport_hint="") -> None:
+        self._on_cuda("transfer_write_on_cuda", target_hostname, kvlink.WRITE, buffer,
+                      peer_buffer_address, length, stream_ptr)
 
-    transfer_read_on_cuda = transfer_write_on_cuda
-    batch_transfer_write_on_cuda = transfer_write_on_cuda
-    batch_transfer_read_on_cuda = transfer_write_on_cuda
+    def transfer_read_on_cuda(self, target_hostname, buffer, peer_buffer_address, length,
+                              stream_ptr=0, transport_hint="") -> None:
+        self._on_cuda("transfer_read_on_cuda", target_hostname, kvlink.READ, buffer,
+                      peer_buffer_address, length, stream_ptr)
+
+    def batch_transfer_write_on_cuda(self, target_hostname, buffers, peer_buffer_addresses,
+                                     lengths, stream_ptr=0, transport_hint="") -> None:
+        self._on_cuda("batch_transfer_write_on_cuda", target_hostname, kvlink.WRITE, buffers,
+                      peer_buffer_addresses, lengths, stream_ptr)
+
+    def batch_transfer_read_on_cuda(self, target_hostname, buffers, peer_buffer_addresses,
+                                    lengths, stream_ptr=0, transport_hint="") -> None:
+        self._on_cuda("batch_transfer_read_on_cuda", target_hostname, kvlink.READ, buffers,
+                      peer_buffer_addresses, lengths, stream_ptr)
+
+    def _on_cuda(self, what, target, op, local, remote, lengths, stream_ptr) -> None:
+        """Mooncake runs the transfer as a host function on the stream; here
+        the caller waits for the stream's earlier work, then for the transfer:
+        later work on the stream sees the bytes either way."""
+        eng = self._ready(what, raise_=True)
+        if isinstance(local, (list, tuple)) and not len(local) == len(remote) == len(lengths):
+            raise RuntimeError(f"kvlink.mooncake: {what}: buffers, peer_buffer_addresses and "
+                               "lengths have different size")
+        try:
+            self._wait_for_stream(int(stream_ptr or 0), eng.device_runtime)
+        except Exception as e:  # noqa: BLE001 -- any failure of the CUDA call says why
+            log.error("%s: waiting for CUDA stream %#x: %s", what, stream_ptr or 0, e)
+            raise RuntimeError(f"kvlink.mooncake: {what}: waiting for CUDA stream "
+                               f"{stream_ptr or 0:#x}: {e}") from e
+        if self._sync(target, op, local, remote, lengths) != 0:
+            raise RuntimeError(f"kvlink.mooncake: {what} with {target} failed (the reason is on "
+                               "the 'kvlink.mooncake' logger)")
+
+    @staticmethod
+    def _wait_for_stream(stream_ptr: int, runtime: Optional[str]) -> None:
+        """Returns once the work queued on CUDA stream `stream_ptr` (0: the
+        legacy default stream) is done: through torch where it is loaded,
+        else libcudart. Nothing to wait for without CUDA (the emulated
+        device copies synchronously)."""
+        if runtime != "cuda":
+            return
+        torch = sys.modules.get("torch")
+        if torch is not None and torch.cuda.is_available():
+            stream = (torch.cuda.ExternalStream(stream_ptr) if stream_ptr
+                      else torch.cuda.default_stream())
+            stream.synchronize()
+            return
+        import ctypes
+        for name in ("libcudart.so", "libcudart.so.13", "libcudart.so.12", "libcudart.so.11.0"):
+            try:
+                cudart = ctypes.CDLL(name)
+            except OSError:
+                continue
+            err = cudart.cudaStreamSynchronize(ctypes.c_void_p(stream_ptr))
+            if err != 0:
+                raise RuntimeError(f"cudaStreamSynchronize: CUDA error {err}")
+            return
+        raise RuntimeError("neither torch nor libcudart is loaded to wait for the stream with")
 
     def warmup_efa_segment(self, segment_name) -> int:
         return 0  # no EFA here: nothing to warm up, as in Mooncake's builds without EFA

@@ -120,21 +120,33 @@ class host {
 
   // ------------------------------------------------------ registration
 
-  /// Registers [base, base + length) and remembers it by address.
+  /// Registers [base, base + length) and remembers it by address. `memory`:
+  /// as the caller states it (device memory), else host unless the engine's
+  /// device runtime finds device memory there. `what` says why it failed,
+  /// ending with the error's message.
   segment_id register_segment(std::uintptr_t base, std::uint64_t length, access granted,
-                              std::error_code& ec, std::string* what) {
+                              memory_desc memory, std::error_code& ec, std::string* what) {
     segment_id id;
     std::error_code rec;
+    std::string why;
     ec = with_engine([&](engine& e) {
-      // The registering call itself is synchronous and thread-safe.
-      id = e.register_segment(reinterpret_cast<void*>(base), length, granted, rec);
+      // The registering call itself is synchronous and thread-safe; the
+      // throwing overload is the one that says why.
+      try {
+        id = e.register_segment(reinterpret_cast<void*>(base), length, granted, memory);
+      } catch (const std::system_error& x) {
+        rec = x.code();
+        why = x.what();
+      }
     });
     if (!ec) ec = rec;
     if (!ec && id.valid()) {
       std::lock_guard lock{segments_mutex_};
       segments_[base] = local_segment{id, base, length, granted};
     } else if (ec && what != nullptr) {
-      *what = fmt::format("register {:#x} ({} bytes)", base, length);
+      // what() of the engine's error ends with the code's message already.
+      *what = why.empty() ? fmt::format("register {:#x} ({} bytes): {}", base, length, ec.message())
+                          : why;
     }
     return id;
   }

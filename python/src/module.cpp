@@ -5,7 +5,9 @@
 // the Mooncake-compatible one; this file gives them an engine with its own
 // I/O thread (host.hpp), operations Python can wait for or be called back
 // from (operation.hpp), batches read from lists and arrays (requests.hpp)
-// and errors as kvlink.Error (errors.hpp).
+// and errors as kvlink.Error (errors.hpp); device memory (GPU, or the
+// emulated device in CI) is registered like host memory and reached only
+// through its runtime's copy engine (device.hpp, kvlink.DeviceBuffer).
 //
 // The GIL: every call that waits (a transfer, a connect, an unregistration,
 // a receive) waits with the GIL released, on a condition variable, waking
@@ -15,6 +17,7 @@
 #include <kvlink/engine.hpp>
 #include <kvlink/version.hpp>
 
+#include "device.hpp"
 #include "errors.hpp"
 #include "host.hpp"
 #include "operation.hpp"
@@ -28,7 +31,9 @@
 #include <chrono>
 #include <cstdint>
 #include <cstring>
+#include <map>
 #include <memory>
+#include <mutex>
 #include <optional>
 #include <string>
 #include <system_error>
@@ -146,6 +151,9 @@ class py_engine {
     const config cfg = config_from_json(j, ec, &what);
     if (ec) raise_error(ec, "engine config: " + what);
     host_ = translate("kvlink engine", [&] { return std::make_shared<host>(cfg); });
+    // The engine took the same runtime from the catalog (one per process).
+    std::error_code dec;
+    device_ = device_catalog::global().select(cfg.device, dec, what);
   }
 
   ~py_engine() {
@@ -207,16 +215,26 @@ class py_engine {
   std::string config_json() {
     return with_engine("config", [](engine& e) { return to_json(e.get_config()).dump(); });
   }
+  /// The device runtime's name ("cuda", "emulated"), None without one.
+  std::optional<std::string> device_runtime_name() const {
+    if (!device_) return std::nullopt;
+    return std::string(device_->name());
+  }
 
   // ----------------------------------------------------- registration
 
+  /// `device`: the memory is stated to be device memory (of that device;
+  /// -1: whichever the runtime finds); None: host memory unless the
+  /// engine's device runtime finds device memory there.
   std::uint64_t register_segment(std::uintptr_t base, std::uint64_t length,
-                                 const std::string& granted) {
+                                 const std::string& granted, std::optional<std::int32_t> device) {
     const access a = parse_access(granted);
+    memory_desc memory{};
+    if (device) memory = memory_desc{memory_kind::device, *device};
     std::error_code ec;
     std::string what;
-    const segment_id id = h().register_segment(base, length, a, ec, &what);
-    if (ec) raise_error(ec, what);
+    const segment_id id = h().register_segment(base, length, a, memory, ec, &what);
+    if (ec) raise_error_text(ec, "register", fmt::format("{} [{}]", what, error_name(ec)));
     return id.value();
   }
 
@@ -350,6 +368,18 @@ class py_engine {
                               "engine",
                               addr, length));
     }
+    if (auto* c = copier_for(addr)) {  // device memory: only its copy engine reaches it
+      py::bytes out(nullptr, static_cast<py::ssize_t>(length));
+      char* dst = PyBytes_AS_STRING(out.ptr());
+      std::error_code ec;
+      std::string what;
+      {
+        py::gil_scoped_release nogil;
+        ec = c->copy(dst, reinterpret_cast<const void*>(addr), length, false, what);
+      }
+      if (ec) raise_error(ec, "read_bytes: " + what);
+      return out;
+    }
     return py::bytes(reinterpret_cast<const char*>(addr), static_cast<py::ssize_t>(length));
   }
 
@@ -366,6 +396,16 @@ class py_engine {
                   fmt::format("write_bytes({:#x}, {}): not inside memory registered with this "
                               "engine",
                               addr, length));
+    }
+    if (auto* c = copier_for(addr)) {  // device memory: only its copy engine reaches it
+      std::error_code ec;
+      std::string what;
+      {
+        py::gil_scoped_release nogil;  // `view` pins the source meanwhile
+        ec = c->copy(reinterpret_cast<void*>(addr), view.ptr, length, true, what);
+      }
+      if (ec) raise_error(ec, "write_bytes: " + what);
+      return;
     }
     std::memcpy(reinterpret_cast<void*>(addr), view.ptr, length);
   }
@@ -385,7 +425,21 @@ class py_engine {
     return segment_view{s.id.value(), s.base, s.length, access_name(s.granted)};
   }
 
+  /// The copier of the device whose memory `addr` is; null for host memory.
+  device_copier* copier_for(std::uintptr_t addr) {
+    if (!device_) return nullptr;
+    const auto info = device_->classify(reinterpret_cast<const void*>(addr));
+    if (info.memory.kind != memory_kind::device) return nullptr;
+    std::lock_guard lock{copiers_mutex_};
+    auto& c = copiers_[info.memory.device];
+    if (!c) c = std::make_unique<device_copier>(device_, info.memory.device);
+    return c.get();
+  }
+
   std::shared_ptr<host> host_;
+  std::shared_ptr<device_runtime> device_;  // config.device's runtime; null: none
+  std::mutex copiers_mutex_;
+  std::map<std::int32_t, std::unique_ptr<device_copier>> copiers_;  // by device
 };
 
 // ------------------------------------------------------------ config
@@ -465,6 +519,7 @@ PYBIND11_MODULE(_kvlink, m) {
   m.attr("__version__") =
       fmt::format("{}.{}.{}", KVLINK_VERSION_MAJOR, KVLINK_VERSION_MINOR, KVLINK_VERSION_PATCH);
   m.attr("HAS_RDMA") = static_cast<bool>(KVLINK_PYTHON_WITH_RDMA);
+  m.attr("HAS_CUDA") = static_cast<bool>(KVLINK_PYTHON_HAS_CUDA);
 
   kp::error_type() = PyErr_NewExceptionWithDoc(
       "kvlink.Error",
@@ -569,8 +624,9 @@ PYBIND11_MODULE(_kvlink, m) {
       .def_property_readonly("transports", &kp::py_engine::transports)
       .def_property_readonly("instance", &kp::py_engine::instance)
       .def("config_json", &kp::py_engine::config_json)
+      .def_property_readonly("device_runtime", &kp::py_engine::device_runtime_name)
       .def("register", &kp::py_engine::register_segment, py::arg("address"), py::arg("length"),
-           py::arg("access"))
+           py::arg("access"), py::arg("device") = py::none())
       .def("unregister_async", &kp::py_engine::unregister_async, py::arg("segment"))
       .def("segments", &kp::py_engine::segments)
       .def("segment_at", &kp::py_engine::segment_at, py::arg("address"))
@@ -599,4 +655,21 @@ PYBIND11_MODULE(_kvlink, m) {
   m.def("map_pages", &kp::map_pages, py::arg("length"));
   m.def("unmap_pages", &kp::unmap_pages, py::arg("address"), py::arg("length"));
   m.def("buffer_address", &kp::buffer_address, py::arg("obj"), py::arg("writable"));
+  m.def("device_runtimes", [] { return kvlink::device_catalog::global().names(); });
+
+  py::class_<kp::py_device_buffer>(m, "DeviceBuffer",
+                                   "Device memory of a runtime, reached only through its copy "
+                                   "engine: a test and CI aid (runtime 'emulated' needs no GPU)")
+      .def(py::init<std::uint64_t, std::int32_t, const std::string&>(), py::arg("nbytes"),
+           py::arg("device") = 0, py::arg("runtime") = "emulated")
+      .def_property_readonly("ptr", &kp::py_device_buffer::ptr)
+      .def_property_readonly("nbytes", &kp::py_device_buffer::nbytes)
+      .def_property_readonly("device", &kp::py_device_buffer::device)
+      .def_property_readonly("runtime", &kp::py_device_buffer::runtime)
+      .def_property_readonly("__cuda_array_interface__",
+                             &kp::py_device_buffer::cuda_array_interface)
+      .def("write", &kp::py_device_buffer::write, py::arg("offset"), py::arg("data"))
+      .def("read", &kp::py_device_buffer::read, py::arg("offset"), py::arg("n"))
+      .def("__len__", &kp::py_device_buffer::nbytes)
+      .def("__repr__", &kp::py_device_buffer::repr);
 }

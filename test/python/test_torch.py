@@ -1,6 +1,8 @@
-"""torch tensors: CPU tensors register through data_ptr(); GPU tensors need
-kvlink's GPU support (not there yet), so they are refused clearly. Skipped
-where torch is not installed."""
+"""torch tensors: CPU tensors register through data_ptr(); CUDA tensors are
+device memory, registered and transferred through the engine's CUDA runtime
+(skipped without a GPU or a kvlink built with kvlink::cuda; the same paths
+run on the emulated device in test_device.py). Skipped where torch is not
+installed."""
 
 import pytest
 
@@ -20,11 +22,45 @@ def test_cpu_tensor_roundtrip():
         assert torch.equal(src, dst)
 
 
-def test_gpu_tensor():
+def _cuda_or_skip():
     if not torch.cuda.is_available():
-        pytest.skip("no CUDA device here")
-    with kvlink.Engine() as a:
-        t = torch.zeros(1024, device="cuda")
+        pytest.skip("no CUDA device here (torch.cuda.is_available() is False)")
+    if not kvlink._kvlink.HAS_CUDA:
+        pytest.skip("this kvlink module was built without kvlink::cuda")
+
+
+def test_gpu_tensor_write_and_read():
+    _cuda_or_skip()
+    with kvlink.Engine(transports="tcp", device="cuda", use_env=False) as a, \
+            kvlink.Engine(transports="tcp", device="none", use_env=False) as b:
+        src = torch.arange(1 << 18, dtype=torch.int32, device="cuda")
+        host = torch.zeros(1 << 18, dtype=torch.int32)
+        n = src.numel() * src.element_size()
+        a.register(src)
+        seg = b.register(host)
+        peer = a.connect(b.local_address)
+        torch.cuda.synchronize()
+        a.write(peer, src.data_ptr(), 0, n, segment=seg)
+        assert torch.equal(host, src.cpu())
+        host.neg_()
+        a.read(peer, src.data_ptr(), 0, n, segment=seg)
+        assert torch.equal(src.cpu(), host)
+
+
+def test_gpu_tensor_view_registers_its_storage():
+    _cuda_or_skip()
+    with kvlink.Engine(device="cuda", use_env=False) as a:
+        base = torch.zeros(2, 1024, device="cuda", dtype=torch.uint8)
+        view = base[:, 1:]  # not contiguous; its storage from data_ptr() on
+        sid = a.register(view)
+        seg = [s for s in a.segments() if s.id == sid][0]
+        assert seg.base == view.data_ptr() and seg.length == 2 * 1024 - 1
+
+
+def test_gpu_tensor_without_a_device_runtime():
+    if not torch.cuda.is_available():
+        pytest.skip("no CUDA device here (torch.cuda.is_available() is False)")
+    with kvlink.Engine(device="none", use_env=False) as a:
         with pytest.raises(kvlink.Error) as e:
-            a.register(t)
-        assert e.value.errc == "invalid_argument" and "GPU" in str(e.value)
+            a.register(torch.zeros(1024, device="cuda"))
+        assert e.value.errc == "invalid_argument" and "device runtime" in str(e.value)
