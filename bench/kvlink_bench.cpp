@@ -293,13 +293,18 @@ void add_memory_options(CLI::App* app, memory_options& m) {
   add_device_option(app, m.device);
 }
 
-// The device runtime named `name`, usable here, or a usage error saying why.
-std::shared_ptr<kvlink::device_runtime> find_device(const std::string& name) {
+// The device runtime named `name`, usable here, or a usage error saying why
+// (`given`: named with --device, not the default).
+std::shared_ptr<kvlink::device_runtime> find_device(const std::string& name, bool given) {
   kvlink::device_config c;
   c.runtime = name;
   std::error_code ec;
   std::string what;
   auto rt = kvlink::device_catalog::global().select(c, ec, what);
+  if (!rt && !given) {
+    throw usage_error("device memory without --device: cuda by default, but " + what +
+                      " (--device emulated: the CPU-only stand-in)");
+  }
   if (!rt) throw usage_error("--device: " + what);
   if (rt->device_count() <= bench_device) {
     throw usage_error(fmt::format("--device {}: no device {}", name, bench_device));
@@ -448,7 +453,7 @@ int run_target(const target_options& o) {
   std::optional<kb::bench_buffer> device_mem;
   std::byte* base = nullptr;
   if (device) {
-    copier.emplace(find_device(runtime), bench_device);
+    copier.emplace(find_device(runtime, !o.device.empty()), bench_device);
     device_mem.emplace(*copier, size);
     base = device_mem->data();
   } else if (o.engine.memory == "shared") {
@@ -780,7 +785,8 @@ int run_kv(const kv_options& o) {
   if (!runtime.empty()) cfg.device.runtime = runtime;
   // Device memory: the runtime's stream for filling it and for the reference.
   std::optional<kb::device_copier> copier;
-  if (!runtime.empty()) copier.emplace(find_device(runtime), bench_device);
+  if (!runtime.empty())
+    copier.emplace(find_device(runtime, !o.memory.device.empty()), bench_device);
 
   std::uint32_t max_blocks = 0;
   for (auto p : prompts) {
@@ -970,7 +976,8 @@ int run_sweep(const sweep_options& o) {
   }
   const std::string runtime = o.memory.runtime();
   std::optional<kb::device_copier> copier;
-  if (!runtime.empty()) copier.emplace(find_device(runtime), bench_device);
+  if (!runtime.empty())
+    copier.emplace(find_device(runtime, !o.memory.device.empty()), bench_device);
 
   target_handle target;
   auto targs = engine_args(o.engine);
