@@ -271,7 +271,7 @@ void add_engine_options(CLI::App* app, engine_options& e, bool lanes) {
 
 void add_device_option(CLI::App* app, std::string& device) {
   app->add_option("--device", device,
-                  fmt::format("device runtime of device memory (device 0), also set as both "
+                  fmt::format("device runtime of device memory (device 0), also set as the "
                               "engines' config.device: cuda, or emulated (kvlink's CPU-only "
                               "stand-in: its figures mean nothing for a GPU); default cuda "
                               "where a side is device memory (this build has: {})",
