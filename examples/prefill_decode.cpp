@@ -15,6 +15,9 @@
 // the CPU then fills and checks it only through the device's copy engine,
 // and the engine, told the runtime by config.device, stages it.
 #include <kvlink/kvlink.hpp>
+#if defined(KVLINK_EXAMPLE_HAS_CUDA) && __has_include(<kvlink/cuda.hpp>)
+#include <kvlink/cuda.hpp>  // the "cuda" device runtime (link kvlink::cuda)
+#endif
 
 #include <chrono>
 #include <csignal>
@@ -97,7 +100,7 @@ class kv_cache {
     co_await asio::async_initiate<const asio::use_awaitable_t<>&, void(std::error_code)>(
         [&](auto handler) {
           auto h = std::make_shared<decltype(handler)>(std::move(handler));
-          stream_->async_copy(dst, dm, src, sm, n, [h](std::error_code ec) { std::move (*h)(ec); });
+          stream_->async_copy(dst, dm, src, sm, n, [h](std::error_code ec) { (*h)(ec); });
         },
         asio::use_awaitable);
   }
