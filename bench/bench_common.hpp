@@ -1,7 +1,8 @@
 // Pieces shared by kvlink's two-process benches (kvlink_tcp_bench,
-// kvlink-bench): touched buffers, a target child process that reports its
-// address, the steady-state bandwidth runner of one (op, block, batch) case,
-// and an iperf3 loopback reference.
+// kvlink-bench): touched buffers in host or device memory, a device copy
+// reference, a target child process that reports its address, the
+// steady-state bandwidth runner of one (op, block, batch) case, and an
+// iperf3 loopback reference.
 //
 // Not part of the library: set-up failures throw std::system_error /
 // std::runtime_error with context; the data path reports std::error_code.
@@ -17,7 +18,9 @@
 #include <cstddef>
 #include <cstdint>
 #include <cstdio>
+#include <cstring>
 #include <functional>
+#include <memory>
 #include <optional>
 #include <string>
 #include <string_view>
@@ -79,6 +82,132 @@ class page_buffer {
 };
 
 inline page_buffer make_buffer(std::uint64_t size) { return page_buffer(size); }
+
+// ------------------------------------------------------------------ device memory
+
+/// Synchronous copies on one stream of a device runtime (set-up and the
+/// copy reference; never the measured data path): the stream posts its
+/// completions on an io_context of this object's own, run while waiting.
+class device_copier {
+ public:
+  /// Throws std::system_error with the failing call.
+  device_copier(std::shared_ptr<device_runtime> rt, std::int32_t device)
+      : rt_(std::move(rt)), device_(device) {
+    std::error_code ec;
+    std::string what;
+    stream_ = rt_->open_stream(device_, io_.get_executor(), ec, what);
+    if (!stream_) throw std::system_error(ec, "open_stream: " + what);
+  }
+  device_copier(const device_copier&) = delete;
+  device_copier& operator=(const device_copier&) = delete;
+
+  device_runtime& runtime() const noexcept { return *rt_; }
+  const std::shared_ptr<device_runtime>& runtime_ptr() const noexcept { return rt_; }
+  std::int32_t device() const noexcept { return device_; }
+
+  /// `n` bytes between device memory at `dev` and host memory at `host`
+  /// (H2D when `to_device`, else D2H) as copies of at most `piece` bytes,
+  /// each between the same two addresses, all queued on the stream before
+  /// waiting. Returns the seconds from the first enqueue to the last
+  /// completion; throws on a copy error.
+  double copy(bool to_device, std::byte* dev, std::byte* host, std::uint64_t piece,
+              std::uint64_t n) {
+    const memory_desc d{memory_kind::device, device_};
+    std::size_t pending = 0;
+    std::error_code first;
+    const auto t0 = clock_type::now();
+    for (std::uint64_t at = 0; at < n;) {
+      const std::uint64_t len = std::min(piece, n - at);
+      ++pending;
+      auto done = [&](std::error_code ec) {
+        --pending;
+        if (ec && !first) first = ec;
+      };
+      if (to_device) {
+        stream_->async_copy(dev, d, host, memory_desc{}, static_cast<std::size_t>(len), done);
+      } else {
+        stream_->async_copy(host, memory_desc{}, dev, d, static_cast<std::size_t>(len), done);
+      }
+      at += len;
+    }
+    while (pending > 0) {
+      if (io_.run_one() == 0) io_.restart();
+    }
+    const double secs = std::chrono::duration<double>(clock_type::now() - t0).count();
+    if (first) throw std::system_error(first, "device copy");
+    return secs;
+  }
+
+ private:
+  std::shared_ptr<device_runtime> rt_;
+  std::int32_t device_;
+  asio::io_context io_;  // before the stream: its completions are posted here
+  std::shared_ptr<device_stream> stream_;
+};
+
+/// A bench buffer in host memory (a page_buffer: every page touched) or in
+/// device memory of a runtime (a device_buffer, every byte written through
+/// the device's copy engine: the CPU cannot touch it), so that first-touch
+/// costs stay out of the measurement either way.
+class bench_buffer {
+ public:
+  explicit bench_buffer(std::uint64_t size) { host_.emplace(size); }
+  /// Device memory on `copier`'s device, filled with 0x5a from pinned memory.
+  bench_buffer(device_copier& copier, std::uint64_t size)
+      : dev_(copier.runtime_ptr(), copier.device(), static_cast<std::size_t>(size)) {
+    const std::uint64_t piece = std::min<std::uint64_t>(size, 64u << 20);
+    pinned_buffer src{copier.runtime_ptr(), static_cast<std::size_t>(piece)};
+    std::memset(src.data(), 0x5a, src.size());
+    for (std::uint64_t at = 0; at < size; at += piece) {
+      copier.copy(true, dev_.data() + at, src.data(), piece, std::min(piece, size - at));
+    }
+  }
+  bench_buffer(const bench_buffer&) = delete;
+  bench_buffer& operator=(const bench_buffer&) = delete;
+
+  std::byte* data() const noexcept { return host_ ? host_->data() : dev_.data(); }
+  std::size_t size() const noexcept { return host_ ? host_->size() : dev_.size(); }
+  bool on_device() const noexcept { return !host_; }
+
+ private:
+  std::optional<page_buffer> host_;
+  device_buffer dev_;
+};
+
+/// The device copy reference of a bench that moves device memory: what one
+/// stream of the runtime copies between device memory and pinned host memory
+/// (cudaMemcpyAsync D2H and H2D with --device cuda), `n` bytes in pieces of
+/// at most `max_piece` (own buffers of that size, reused). GB/s = 10^9 B/s.
+class copy_reference {
+ public:
+  copy_reference(device_copier& copier, std::uint64_t max_piece)
+      : copier_(copier),
+        dev_(copier.runtime_ptr(), copier.device(), static_cast<std::size_t>(max_piece)),
+        pinned_(copier.runtime_ptr(), static_cast<std::size_t>(max_piece)) {
+    std::memset(pinned_.data(), 0x5a, pinned_.size());
+  }
+
+  struct rates {
+    double d2h_gb_per_s = 0;
+    double h2d_gb_per_s = 0;
+  };
+
+  /// One D2H pass, then one H2D pass, of `n` bytes in copies of `piece`
+  /// bytes (0: as large as the buffers).
+  rates measure(std::uint64_t n, std::uint64_t piece = 0) {
+    if (piece == 0 || piece > dev_.size()) piece = dev_.size();
+    const auto gbs = [n](double s) { return s > 0 ? static_cast<double>(n) / s / 1e9 : 0.0; };
+    rates r;
+    r.d2h_gb_per_s = gbs(copier_.copy(false, dev_.data(), pinned_.data(), piece, n));
+    r.h2d_gb_per_s = gbs(copier_.copy(true, dev_.data(), pinned_.data(), piece, n));
+    return r;
+  }
+
+ private:
+  device_copier& copier_;
+  device_buffer dev_;
+  pinned_buffer pinned_;
+};
 
 /// Where a bench's engine runs: its io_context, run by the bench's own
 /// thread (threads = 1, as before), or by `threads` threads of its own while

@@ -7,6 +7,7 @@
 //   kvlink-bench sweep --sizes 64KiB,1MiB --batches 1,16 --lanes 1,2,4
 //   kvlink-bench target --listen 0.0.0.0:17001          # on host A
 //   kvlink-bench kv --connect hostA:17001 --line-rate 12.5   # on host B
+//   kvlink-bench kv --src-memory device --device cuda    # KV cache in GPU memory
 //
 // kv: for every prompt length, the prompt plus --pad template tokens is
 // rounded up to whole blocks of --block-tokens; the blocks of every layer's K
@@ -18,10 +19,21 @@
 // this program re-executed as `target` in a child process on loopback; both
 // sides hold a KV cache sized to the largest prompt, touched before timing.
 //
+// Memory kinds: --src-memory is where the bytes come from, --dst-memory
+// where they land (WRITE: the initiator's buffer -> the target's segment;
+// READ: the target's segment -> the initiator's buffer); device memory is
+// --device's (cuda, or emulated: kvlink's CPU-only stand-in), device 0,
+// filled through its copy engine, and the engines get config.device. With
+// device memory the table adds a reference measured in the same run: one
+// stream's D2H and H2D copies of each row's bytes through pinned memory.
+//
 // Units: GB = 10^9 B, GiB = 2^30 B, MB = 10^6 B, MiB = 2^20 B.
 #include <kvlink/engine.hpp>
 #ifdef KVLINK_BENCH_WITH_RDMA
 #include <kvlink/rdma.hpp>
+#endif
+#if defined(KVLINK_BENCH_HAS_CUDA) && __has_include(<kvlink/cuda.hpp>)
+#include <kvlink/cuda.hpp>
 #endif
 #include <kvlink/kv/block_transfer.hpp>
 #include <kvlink/kv/layout.hpp>
@@ -87,9 +99,38 @@ struct engine_options {
   std::string memory = "private";  // the target's segment: private or shared (shm/memory.hpp)
 };
 
+// Which memory the bytes come from (src) and land in (dst): host or device
+// memory of --device. For a WRITE src is the initiator's buffer and dst the
+// target's segment; for a READ src is the target's segment and dst the
+// initiator's buffer.
+struct memory_options {
+  std::string src = "host";
+  std::string dst = "host";
+  std::string device;  // --device; empty: cuda where a side is device memory
+
+  bool any_device() const { return src == "device" || dst == "device"; }
+  /// The device runtime in use: empty when none.
+  std::string runtime() const {
+    if (!device.empty()) return device;
+    return any_device() ? "cuda" : "";
+  }
+  /// The initiator's buffer for `op` is device memory.
+  bool local_device(kvlink::opcode op) const {
+    return (op == kvlink::opcode::write ? src : dst) == "device";
+  }
+  /// The target's segment for `op` is device memory.
+  bool remote_device(kvlink::opcode op) const {
+    return (op == kvlink::opcode::write ? dst : src) == "device";
+  }
+};
+
+// Every device buffer of the bench is on this device of the runtime.
+constexpr std::int32_t bench_device = 0;
+
 struct kv_options {
   layout_options layout;
   engine_options engine;
+  memory_options memory;
   std::string connect;
   std::uint32_t iterations = 3;
   std::uint32_t warmup = 1;
@@ -103,6 +144,7 @@ struct kv_options {
 
 struct sweep_options {
   engine_options engine;
+  memory_options memory;
   std::string connect;
   std::string sizes = "4KiB,64KiB,1MiB,16MiB";
   std::string batches = "1,16,64";
@@ -122,6 +164,8 @@ struct target_options {
   engine_options engine;
   std::string listen = "127.0.0.1:0";
   std::string segment_size;  // empty: sized for the layout's largest prompt
+  std::string segment_memory = "host";
+  std::string device;  // --device; empty: cuda for a device segment
   bool watch_stdin = false;
 };
 
@@ -225,6 +269,90 @@ void add_engine_options(CLI::App* app, engine_options& e, bool lanes) {
   app->add_option("--socket-buffer", e.socket_buffer, "SO_SNDBUF/SO_RCVBUF, 0 = kernel default");
 }
 
+void add_device_option(CLI::App* app, std::string& device) {
+  app->add_option("--device", device,
+                  fmt::format("device runtime of device memory (device 0), also set as the "
+                              "engines' config.device: cuda, or emulated (kvlink's CPU-only "
+                              "stand-in: its figures mean nothing for a GPU); default cuda "
+                              "where a side is device memory (this build has: {})",
+                              kvlink::device_catalog::global().names()))
+      ->check(CLI::IsMember({"cuda", "emulated"}));
+}
+
+void add_memory_options(CLI::App* app, memory_options& m) {
+  app->add_option("--src-memory", m.src,
+                  "memory the bytes come from: host or device (--device). WRITE: the "
+                  "initiator's buffer; READ: the target's segment")
+      ->check(CLI::IsMember({"host", "device"}))
+      ->capture_default_str();
+  app->add_option("--dst-memory", m.dst,
+                  "memory the bytes land in: host or device (--device). WRITE: the target's "
+                  "segment; READ: the initiator's buffer")
+      ->check(CLI::IsMember({"host", "device"}))
+      ->capture_default_str();
+  add_device_option(app, m.device);
+}
+
+// The device runtime named `name`, usable here, or a usage error saying why
+// (`given`: named with --device, not the default).
+std::shared_ptr<kvlink::device_runtime> find_device(const std::string& name, bool given) {
+  kvlink::device_config c;
+  c.runtime = name;
+  std::error_code ec;
+  std::string what;
+  auto rt = kvlink::device_catalog::global().select(c, ec, what);
+  if (!rt && !given) {
+    throw usage_error("device memory without --device: cuda by default, but " + what +
+                      " (--device emulated: the CPU-only stand-in)");
+  }
+  if (!rt) throw usage_error("--device: " + what);
+  if (rt->device_count() <= bench_device) {
+    throw usage_error(fmt::format("--device {}: no device {}", name, bench_device));
+  }
+  return rt;
+}
+
+// The target child's options for its segment's memory.
+std::vector<std::string> memory_args(const memory_options& m, bool remote_device) {
+  std::vector<std::string> a;
+  if (remote_device) a.insert(a.end(), {"--segment-memory", "device"});
+  if (!m.runtime().empty()) a.insert(a.end(), {"--device", m.runtime()});
+  return a;
+}
+
+// "host", "host, shared", "device (emulated device 0)".
+std::string memory_name(bool device, const std::string& runtime, const std::string& host_alloc) {
+  if (device) return fmt::format("device ({} device {})", runtime, bench_device);
+  return host_alloc.empty() ? std::string{"host"} : "host, " + host_alloc;
+}
+
+// The header's lines on memory: which kinds, which device, and what the
+// figures are worth with the emulated one.
+void print_memory_header(const memory_options& m, const std::vector<kvlink::opcode>& ops,
+                         const std::string& host_alloc) {
+  const auto rt = m.runtime();
+  const auto src = memory_name(m.src == "device", rt, "");
+  const auto dst = memory_name(m.dst == "device", rt, "");
+  if (ops.size() == 1 && ops.front() == kvlink::opcode::write) {
+    fmt::print("# memory: src = the initiator's buffer, {}; dst = the target's segment, {}\n", src,
+               memory_name(m.dst == "device", rt, host_alloc));
+  } else if (ops.size() == 1) {
+    fmt::print("# memory: src = the target's segment, {}; dst = the initiator's buffer, {}\n",
+               memory_name(m.src == "device", rt, host_alloc), dst);
+  } else {
+    fmt::print(
+        "# memory: src (WRITE: the initiator's buffer, READ: the target's segment) {}; dst "
+        "(WRITE: the target's segment, READ: the initiator's buffer) {}; the target's host "
+        "memory {}\n",
+        src, dst, host_alloc);
+  }
+  if (rt == "emulated") {
+    fmt::print(
+        "# NOTE: --device emulated is kvlink's CPU-only stand-in for a GPU (memfd memory moved "
+        "by a copy thread): these figures mean nothing for a real GPU\n");
+  }
+}
+
 void add_layout_options(CLI::App* app, layout_options& l) {
   app->add_option("--model", l.model, "model preset (qwen3-8b, qwen3-32b, llama-3.1-8b, ...)")
       ->capture_default_str();
@@ -309,13 +437,26 @@ int run_target(const target_options& o) {
     size = (std::uint64_t{max_tokens / shape.layout.block_tokens} + 1) *
            bytes_per_block_index(shape.layout);
   }
+  const bool device = o.segment_memory == "device";
+  const std::string runtime = !o.device.empty() ? o.device : device ? "cuda" : "";
+  if (device && o.engine.memory == "shared") {
+    throw usage_error("--memory shared is host memory; the segment is device memory");
+  }
+  if (!runtime.empty()) cfg.device.runtime = runtime;
   fmt::print(stderr, "target: allocating and touching {} of {} memory ...\n",
-             kvlink::format_size(size), o.engine.memory);
+             kvlink::format_size(size),
+             device ? fmt::format("{} device {}", runtime, bench_device) : o.engine.memory);
   // Shared memory: a same-host initiator maps it and copies with memcpy.
   std::optional<kb::page_buffer> private_mem;
   kvlink::shm::shared_memory shared_mem;
+  std::optional<kb::device_copier> copier;
+  std::optional<kb::bench_buffer> device_mem;
   std::byte* base = nullptr;
-  if (o.engine.memory == "shared") {
+  if (device) {
+    copier.emplace(find_device(runtime, !o.device.empty()), bench_device);
+    device_mem.emplace(*copier, size);
+    base = device_mem->data();
+  } else if (o.engine.memory == "shared") {
     shared_mem = kvlink::shm::shared_memory::allocate(size);
     std::memset(shared_mem.data(), 0, size);  // touched, as make_buffer's
     base = shared_mem.data();
@@ -378,6 +519,10 @@ struct kv_row {
   /// each transfer, GB/s of the median (0: none).
   double memcpy_gb_per_s = 0;
   std::vector<double> memcpy_ms;
+  /// Device memory: the device copy reference (kb::copy_reference) of the
+  /// row's bytes after each transfer, GB/s.
+  std::vector<double> d2h_gb_per_s;
+  std::vector<double> h2d_gb_per_s;
 
   double median_ms() const {
     if (ms.empty()) return 0;
@@ -389,6 +534,15 @@ struct kv_row {
     return m > 0 ? static_cast<double>(bytes) / (m / 1e3) / 1e9 : 0;
   }
   double gib_per_s() const { return gb_per_s() * 1e9 / 1073741824.0; }
+  double d2h() const { return median(d2h_gb_per_s); }
+  double h2d() const { return median(h2d_gb_per_s); }
+
+  static double median(std::vector<double> v) {
+    if (v.empty()) return 0;
+    std::sort(v.begin(), v.end());
+    const std::size_t n = v.size();
+    return n % 2 ? v[n / 2] : (v[n / 2 - 1] + v[n / 2]) / 2;
+  }
 };
 
 // Remote block ids for local blocks 0..n-1. Scattered: i -> i * s mod n with
@@ -472,6 +626,16 @@ void print_kv(const kv_options& o, const model_shape& shape, const line_rate_inf
     return ref > 0 ? 100.0 * r.gb_per_s() / ref : 0.0;
   };
   const bool by_memcpy = !rows.empty() && rows.front().memcpy_gb_per_s > 0;
+  // Device memory: kvlink against the copy its staging makes (D2H for a
+  // device source, H2D for a device destination, the slower for both).
+  const std::string runtime = o.memory.runtime();
+  const bool by_copy = !runtime.empty();
+  auto copy_share = [&](const kv_row& r) {
+    double ref = 0;
+    if (o.memory.src == "device") ref = r.d2h();
+    if (o.memory.dst == "device") ref = ref > 0 ? std::min(ref, r.h2d()) : r.h2d();
+    return ref > 0 ? 100.0 * r.gb_per_s() / ref : 0.0;
+  };
   if (o.json) {
     nlohmann::json j;
     j["model"] = shape.label;
@@ -491,6 +655,12 @@ void print_kv(const kv_options& o, const model_shape& shape, const line_rate_inf
     j["blocks"] = o.blocks;
     j["pad_tokens"] = o.layout.pad;
     j["iterations"] = o.iterations;
+    j["src_memory"] = o.memory.src;
+    j["dst_memory"] = o.memory.dst;
+    j["host_memory"] = o.engine.memory;
+    j["device"] = by_copy ? nlohmann::json(runtime) : nlohmann::json(nullptr);
+    j["device_index"] = by_copy ? nlohmann::json(bench_device) : nlohmann::json(nullptr);
+    j["device_figures_meaningful"] = runtime != "emulated";
     j["line_rate_gb_per_s"] = line > 0 ? nlohmann::json(line) : nlohmann::json(nullptr);
     j["line_rate_source"] = rate.source;
     j["rows"] = nlohmann::json::array();
@@ -510,6 +680,11 @@ void print_kv(const kv_options& o, const model_shape& shape, const line_rate_inf
         x["memcpy_gb_per_s"] = r.memcpy_gb_per_s;
         x["memcpy_share"] = share(r) / 100;
       }
+      if (by_copy) {
+        x["d2h_gb_per_s"] = r.d2h();
+        x["h2d_gb_per_s"] = r.h2d();
+        x["copy_share"] = copy_share(r) / 100;
+      }
       x["error"] = r.error ? r.error.message() : std::string{};
       j["rows"].push_back(std::move(x));
     }
@@ -519,15 +694,19 @@ void print_kv(const kv_options& o, const model_shape& shape, const line_rate_inf
   if (o.csv) {
     fmt::print(
         "prompt_tokens,padded_tokens,blocks,bytes,requests,slices,median_ms,min_ms,max_ms,"
-        "gb_per_s,gib_per_s,line_rate_gb_per_s,line_rate_share_pct,op,block_ids,lanes,error\n");
+        "gb_per_s,gib_per_s,line_rate_gb_per_s,line_rate_share_pct,op,block_ids,lanes,error,"
+        "src_memory,dst_memory,device,d2h_gb_per_s,h2d_gb_per_s\n");
     for (const auto& r : rows) {
       const bool ok = !r.error && !r.ms.empty();
-      fmt::print("{},{},{},{},{},{},{:.4f},{:.4f},{:.4f},{:.4f},{:.4f},{},{},{},{},{},{}\n",
+      fmt::print("{},{},{},{},{},{},{:.4f},{:.4f},{:.4f},{:.4f},{:.4f},{},{},{},{},{},{},",
                  r.prompt, r.padded, r.blocks, r.bytes, r.requests, r.slices, r.median_ms(),
                  ok ? r.ms.front() : 0.0, ok ? r.ms.back() : 0.0, r.gb_per_s(), r.gib_per_s(),
                  line > 0 ? fmt::format("{:.4f}", line) : "",
                  line > 0 && ok ? fmt::format("{:.2f}", share(r)) : "", o.op, o.blocks, lanes,
                  r.error ? r.error.message() : "");
+      fmt::print("{},{},{},{},{}\n", o.memory.src, o.memory.dst, runtime,
+                 by_copy && ok ? fmt::format("{:.4f}", r.d2h()) : "",
+                 by_copy && ok ? fmt::format("{:.4f}", r.h2d()) : "");
     }
     return;
   }
@@ -542,6 +721,8 @@ void print_kv(const kv_options& o, const model_shape& shape, const line_rate_inf
       o.op == "write" ? "WRITE (push)" : "READ (pull)", transport, lanes, o.engine.threads,
       o.engine.threads == 1 ? "" : "s", o.engine.checksums ? ", CRC32C checksums" : "", where,
       o.blocks, l.block_tokens);
+  print_memory_header(o.memory, {o.op == "write" ? kvlink::opcode::write : kvlink::opcode::read},
+                      o.engine.memory);
   fmt::print("# padded = prompt + {} template tokens, rounded up to whole {}-token blocks\n",
              o.layout.pad, l.block_tokens);
   fmt::print(
@@ -557,10 +738,19 @@ void print_kv(const kv_options& o, const model_shape& shape, const line_rate_inf
     fmt::print("# line rate: {}\n",
                line > 0 ? fmt::format("{:.2f} GB/s, {}", line, rate.source) : rate.source);
   }
+  if (by_copy) {
+    fmt::print(
+        "# device copy reference: one {} stream (device {}) copying each row's bytes between "
+        "device and pinned host memory in this process, D2H then H2D, pieces of up to 256 MiB, "
+        "after each transfer, median of {} runs; copy% = kvlink / the copy its staging makes "
+        "(D2H for a device src, H2D for a device dst, the slower for both)\n",
+        runtime, bench_device, o.iterations);
+  }
   fmt::print("# MB = 10^6 B, MiB = 2^20 B, GB/s = 10^9 B/s, GiB/s = 2^30 B/s\n");
-  fmt::print("{:>7} {:>7} {:>10} {:>10} {:>9} {:>8} {:>8} {:>19} {:>7}{}\n", "prompt", "padded",
+  fmt::print("{:>7} {:>7} {:>10} {:>10} {:>9} {:>8} {:>8} {:>19} {:>7}{}{}\n", "prompt", "padded",
              "KV MiB", "KV MB", "ms (med)", "GB/s", "GiB/s", "spread ms",
-             by_memcpy ? "memcpy%" : "line%", by_memcpy ? "  memcpy GB/s" : "");
+             by_memcpy ? "memcpy%" : "line%", by_memcpy ? "  memcpy GB/s" : "",
+             by_copy ? fmt::format(" {:>9} {:>9} {:>6}", "D2H GB/s", "H2D GB/s", "copy%") : "");
   for (const auto& r : rows) {
     const double mib = static_cast<double>(r.bytes) / 1048576.0;
     const double mb = static_cast<double>(r.bytes) / 1e6;
@@ -569,11 +759,13 @@ void print_kv(const kv_options& o, const model_shape& shape, const line_rate_inf
                  r.error.message());
       continue;
     }
-    fmt::print("{:>7} {:>7} {:>10.2f} {:>10.2f} {:>9.2f} {:>8.2f} {:>8.2f} {:>19} {:>7}{}\n",
-               r.prompt, r.padded, mib, mb, r.median_ms(), r.gb_per_s(), r.gib_per_s(),
-               fmt::format("{:.2f}..{:.2f}", r.ms.front(), r.ms.back()),
-               line > 0 || by_memcpy ? fmt::format("{:.1f}", share(r)) : "-",
-               by_memcpy ? fmt::format("  {:>11.2f}", r.memcpy_gb_per_s) : "");
+    fmt::print(
+        "{:>7} {:>7} {:>10.2f} {:>10.2f} {:>9.2f} {:>8.2f} {:>8.2f} {:>19} {:>7}{}{}\n", r.prompt,
+        r.padded, mib, mb, r.median_ms(), r.gb_per_s(), r.gib_per_s(),
+        fmt::format("{:.2f}..{:.2f}", r.ms.front(), r.ms.back()),
+        line > 0 || by_memcpy ? fmt::format("{:.1f}", share(r)) : "-",
+        by_memcpy ? fmt::format("  {:>11.2f}", r.memcpy_gb_per_s) : "",
+        by_copy ? fmt::format(" {:>9.2f} {:>9.2f} {:>6.1f}", r.d2h(), r.h2d(), copy_share(r)) : "");
   }
 }
 
@@ -584,6 +776,17 @@ int run_kv(const kv_options& o) {
   const auto shape = make_shape(o.layout);
   const auto prompts = parse_prompts(o.layout.prompts);
   kvlink::config cfg = make_config(o.engine);
+  const std::string runtime = o.memory.runtime();
+  const bool local_device = o.memory.local_device(op);
+  const bool remote_device = o.memory.remote_device(op);
+  if (remote_device && o.engine.memory == "shared") {
+    throw usage_error("--memory shared is host memory; the target's segment is device memory");
+  }
+  if (!runtime.empty()) cfg.device.runtime = runtime;
+  // Device memory: the runtime's stream for filling it and for the reference.
+  std::optional<kb::device_copier> copier;
+  if (!runtime.empty())
+    copier.emplace(find_device(runtime, !o.memory.device.empty()), bench_device);
 
   std::uint32_t max_blocks = 0;
   for (auto p : prompts) {
@@ -596,6 +799,7 @@ int run_kv(const kv_options& o) {
   kvlink::kv_layout local_layout = shape.layout;
   local_layout.num_blocks = max_blocks + 1;
   if (std::string why; local_layout.validate(&why)) throw usage_error(why);
+  const std::uint64_t max_bytes = std::uint64_t{max_blocks} * bytes_per_block_index(shape.layout);
 
   // The reference first, while nothing else runs.
   line_rate_info rate = find_line_rate(o, o.connect.empty());
@@ -603,11 +807,20 @@ int run_kv(const kv_options& o) {
   target_handle target;
   std::vector<std::string> targs = engine_args(o.engine);
   targs.insert(targs.end(), {"--segment-size", std::to_string(local_layout.total_bytes()) + "B"});
+  const auto margs = memory_args(o.memory, remote_device);
+  targs.insert(targs.end(), margs.begin(), margs.end());
   start_target(o.connect, targs, target);
 
-  fmt::print(stderr, "initiator: allocating and touching {} ...\n",
-             kvlink::format_size(local_layout.total_bytes()));
-  auto mem = kb::make_buffer(local_layout.total_bytes());
+  fmt::print(stderr, "initiator: allocating and touching {} of {} memory ...\n",
+             kvlink::format_size(local_layout.total_bytes()),
+             memory_name(local_device, runtime, ""));
+  auto mem = local_device ? kb::bench_buffer(*copier, local_layout.total_bytes())
+                          : kb::bench_buffer(local_layout.total_bytes());
+  // The device copy reference: pieces of up to 256 MiB (own buffers).
+  std::optional<kb::copy_reference> reference;
+  if (copier) {
+    reference.emplace(*copier, std::min<std::uint64_t>(max_bytes, 256u << 20));
+  }
   kb::bench_io bio{o.engine.threads};
   kvlink::engine eng{bio.engine_io().get_executor(), cfg};
   eng.register_segment(mem.data(), mem.size(), kvlink::access::remote_read_write);
@@ -679,11 +892,18 @@ int run_kv(const kv_options& o) {
         row.ms.push_back(ms);
         row.slices = done->second.slices;
       }
-      // The reference interleaved with the transfers: both see the same
-      // state of a shared machine.
-      if (same_host && !row.error) {
+      // The references interleaved with the transfers: both see the same
+      // state of a shared machine. (The CPU cannot read device memory.)
+      if (same_host && !local_device && !row.error) {
         const double m = memcpy_pass(reqs, row.bytes);
         if (it >= o.warmup) row.memcpy_ms.push_back(m);
+      }
+      if (reference && !row.error) {
+        const auto c = reference->measure(row.bytes);
+        if (it >= o.warmup) {
+          row.d2h_gb_per_s.push_back(c.d2h_gb_per_s);
+          row.h2d_gb_per_s.push_back(c.h2d_gb_per_s);
+        }
       }
     }
     std::sort(row.ms.begin(), row.ms.end());
@@ -742,12 +962,44 @@ int run_sweep(const sweep_options& o) {
   const std::uint64_t segment = parse_bytes("--segment-size", o.segment_size);
   for (auto s : sizes)
     if (s > segment) throw usage_error(fmt::format("block size {} exceeds --segment-size", s));
+  // One buffer per side: its kind must suit every op.
+  const bool local_device = o.memory.local_device(ops.front());
+  const bool remote_device = o.memory.remote_device(ops.front());
+  for (auto op : ops) {
+    if (o.memory.local_device(op) != local_device) {
+      throw usage_error(
+          "--src-memory and --dst-memory differ: give one op (--ops write or --ops read)");
+    }
+  }
+  if (remote_device && o.engine.memory == "shared") {
+    throw usage_error("--memory shared is host memory; the target's segment is device memory");
+  }
+  const std::string runtime = o.memory.runtime();
+  std::optional<kb::device_copier> copier;
+  if (!runtime.empty())
+    copier.emplace(find_device(runtime, !o.memory.device.empty()), bench_device);
 
   target_handle target;
   auto targs = engine_args(o.engine);
   targs.insert(targs.end(), {"--segment-size", o.segment_size});
+  const auto margs = memory_args(o.memory, remote_device);
+  targs.insert(targs.end(), margs.begin(), margs.end());
   start_target(o.connect, targs, target);
-  auto mem = kb::make_buffer(segment);
+  auto mem = local_device ? kb::bench_buffer(*copier, segment) : kb::bench_buffer(segment);
+  // The device copy reference per block size: copies of one block each,
+  // back to back on one stream, 64 MiB at least (and 2 blocks).
+  std::vector<kb::copy_reference::rates> copy_rates;
+  if (copier) {
+    kb::copy_reference reference{*copier, *std::max_element(sizes.begin(), sizes.end())};
+    for (auto block : sizes) {
+      fmt::print(stderr, "  device copy reference, {} blocks ...", kvlink::format_size(block));
+      std::fflush(stderr);
+      const std::uint64_t n = std::max<std::uint64_t>(64u << 20, 2 * block) / block * block;
+      copy_rates.push_back(reference.measure(n, block));
+      fmt::print(stderr, " D2H {:.2f} GB/s, H2D {:.2f} GB/s\n", copy_rates.back().d2h_gb_per_s,
+                 copy_rates.back().h2d_gb_per_s);
+    }
+  }
   const kb::case_timing timing{std::chrono::duration<double>(o.warmup),
                                std::chrono::duration<double>(o.seconds),
                                o.block_layout == "scattered"};
@@ -755,6 +1007,7 @@ int run_sweep(const sweep_options& o) {
   std::vector<kb::case_result> rows;
   int rc = 0;
   kvlink::config cfg0 = make_config(o.engine);
+  if (!runtime.empty()) cfg0.device.runtime = runtime;
   std::string used_transport;
   for (auto n : lanes) {
     kvlink::config cfg = cfg0;
@@ -784,46 +1037,89 @@ int run_sweep(const sweep_options& o) {
       }
     }
   }
+  // The device copy reference of a row's block size, and kvlink's share of
+  // the copy its staging makes (as in the kv table).
+  const bool by_copy = !copy_rates.empty();
+  auto rates_of = [&](std::uint64_t block) {
+    const auto i =
+        static_cast<std::size_t>(std::find(sizes.begin(), sizes.end(), block) - sizes.begin());
+    return i < copy_rates.size() ? copy_rates[i] : kb::copy_reference::rates{};
+  };
+  auto copy_share = [&](const kb::case_result& r) {
+    const auto c = rates_of(r.block);
+    double ref = 0;
+    if (o.memory.src == "device") ref = c.d2h_gb_per_s;
+    if (o.memory.dst == "device") ref = ref > 0 ? std::min(ref, c.h2d_gb_per_s) : c.h2d_gb_per_s;
+    return ref > 0 ? 100.0 * r.gb_per_s() / ref : 0.0;
+  };
   if (o.json) {
     nlohmann::json j = nlohmann::json::array();
-    for (const auto& r : rows)
-      j.push_back({{"op", kb::op_name(r.op)},
-                   {"block_bytes", r.block},
-                   {"batch", r.batch},
-                   {"depth", r.depth},
-                   {"lanes", r.lanes},
-                   {"bytes", r.bytes},
-                   {"seconds", r.seconds},
-                   {"gb_per_s", r.gb_per_s()},
-                   {"gib_per_s", r.gib_per_s()},
-                   {"mean_batch_latency_us", r.mean_latency_us},
-                   {"error", r.error ? r.error.message() : std::string{}}});
+    for (const auto& r : rows) {
+      nlohmann::json x{{"op", kb::op_name(r.op)},
+                       {"block_bytes", r.block},
+                       {"batch", r.batch},
+                       {"depth", r.depth},
+                       {"lanes", r.lanes},
+                       {"bytes", r.bytes},
+                       {"seconds", r.seconds},
+                       {"gb_per_s", r.gb_per_s()},
+                       {"gib_per_s", r.gib_per_s()},
+                       {"mean_batch_latency_us", r.mean_latency_us},
+                       {"error", r.error ? r.error.message() : std::string{}},
+                       {"src_memory", o.memory.src},
+                       {"dst_memory", o.memory.dst},
+                       {"host_memory", o.engine.memory},
+                       {"device", by_copy ? nlohmann::json(runtime) : nlohmann::json(nullptr)}};
+      if (by_copy) {
+        x["d2h_gb_per_s"] = rates_of(r.block).d2h_gb_per_s;
+        x["h2d_gb_per_s"] = rates_of(r.block).h2d_gb_per_s;
+        x["copy_share"] = copy_share(r) / 100;
+      }
+      j.push_back(std::move(x));
+    }
     fmt::print("{}\n", j.dump(2));
   } else if (o.csv) {
     fmt::print(
         "op,block_bytes,batch,depth,lanes,bytes,seconds,gb_per_s,gib_per_s,"
-        "mean_batch_latency_us,error\n");
-    for (const auto& r : rows)
-      fmt::print("{},{},{},{},{},{},{:.6f},{:.4f},{:.4f},{:.1f},{}\n", kb::op_name(r.op), r.block,
+        "mean_batch_latency_us,error,src_memory,dst_memory,device,d2h_gb_per_s,h2d_gb_per_s\n");
+    for (const auto& r : rows) {
+      fmt::print("{},{},{},{},{},{},{:.6f},{:.4f},{:.4f},{:.1f},{},", kb::op_name(r.op), r.block,
                  r.batch, r.depth, r.lanes, r.bytes, r.seconds, r.gb_per_s(), r.gib_per_s(),
                  r.mean_latency_us, r.error ? r.error.message() : std::string{});
+      fmt::print("{},{},{},{},{}\n", o.memory.src, o.memory.dst, runtime,
+                 by_copy ? fmt::format("{:.4f}", rates_of(r.block).d2h_gb_per_s) : "",
+                 by_copy ? fmt::format("{:.4f}", rates_of(r.block).h2d_gb_per_s) : "");
+    }
   } else {
     fmt::print(
         "# kvlink-bench sweep over {}, target {}; depth {}, {} block layout, {} thread(s) per "
         "side; GB/s = 10^9 B/s, GiB/s = 2^30 B/s\n",
         used_transport, target.local ? "child process on loopback" : target.address, o.depth,
         o.block_layout, o.engine.threads);
-    fmt::print("{:>5} {:<6} {:>9} {:>6} {:>9} {:>9} {:>13}\n", "lanes", "op", "block", "batch",
-               "GB/s", "GiB/s", "lat/batch us");
+    print_memory_header(o.memory, ops, o.engine.memory);
+    if (by_copy) {
+      fmt::print(
+          "# device copy reference: one {} stream (device {}) copying blocks of the row's size "
+          "back to back between device and pinned host memory in this process (64 MiB at "
+          "least), before the rows; copy% = kvlink / the copy its staging makes (D2H for a "
+          "device src, H2D for a device dst, the slower for both)\n",
+          runtime, bench_device);
+    }
+    fmt::print("{:>5} {:<6} {:>9} {:>6} {:>9} {:>9} {:>13}{}\n", "lanes", "op", "block", "batch",
+               "GB/s", "GiB/s", "lat/batch us",
+               by_copy ? fmt::format(" {:>9} {:>9} {:>6}", "D2H GB/s", "H2D GB/s", "copy%") : "");
     for (const auto& r : rows) {
       if (r.error) {
         fmt::print("{:>5} {:<6} {:>9} {:>6} error: {}\n", r.lanes, kb::op_name(r.op),
                    kvlink::format_size(r.block), r.batch, r.error.message());
         continue;
       }
-      fmt::print("{:>5} {:<6} {:>9} {:>6} {:>9.2f} {:>9.2f} {:>13.1f}\n", r.lanes,
-                 kb::op_name(r.op), kvlink::format_size(r.block), r.batch, r.gb_per_s(),
-                 r.gib_per_s(), r.mean_latency_us);
+      fmt::print(
+          "{:>5} {:<6} {:>9} {:>6} {:>9.2f} {:>9.2f} {:>13.1f}{}\n", r.lanes, kb::op_name(r.op),
+          kvlink::format_size(r.block), r.batch, r.gb_per_s(), r.gib_per_s(), r.mean_latency_us,
+          by_copy ? fmt::format(" {:>9.2f} {:>9.2f} {:>6.1f}", rates_of(r.block).d2h_gb_per_s,
+                                rates_of(r.block).h2d_gb_per_s, copy_share(r))
+                  : "");
     }
   }
   return rc;
@@ -842,6 +1138,7 @@ int main(int argc, char** argv) {
   auto* kv_cmd = app.add_subcommand("kv", "per-prompt-length KV table (the default)");
   add_layout_options(kv_cmd, kv.layout);
   add_engine_options(kv_cmd, kv.engine, true);
+  add_memory_options(kv_cmd, kv.memory);
   kv_cmd->add_option("--connect", kv.connect, "HOST:PORT of a running `kvlink-bench target`");
   kv_cmd->add_option("--iterations", kv.iterations, "timed runs per prompt (median reported)")
       ->capture_default_str()
@@ -869,6 +1166,7 @@ int main(int argc, char** argv) {
   sweep_options sw;
   auto* sweep_cmd = app.add_subcommand("sweep", "block size x batch x lanes bandwidth sweep");
   add_engine_options(sweep_cmd, sw.engine, false);
+  add_memory_options(sweep_cmd, sw.memory);
   sweep_cmd->add_option("--connect", sw.connect, "HOST:PORT of a running `kvlink-bench target`");
   sweep_cmd->add_option("--sizes", sw.sizes, "block sizes")->capture_default_str();
   sweep_cmd->add_option("--batches", sw.batches, "requests per batch")->capture_default_str();
@@ -897,6 +1195,12 @@ int main(int argc, char** argv) {
   target_cmd->add_option("--listen", tg.listen, "HOST:PORT to listen on")->capture_default_str();
   target_cmd->add_option("--segment-size", tg.segment_size,
                          "bytes to register (default: the layout's largest prompt)");
+  target_cmd
+      ->add_option("--segment-memory", tg.segment_memory,
+                   "host (allocated as --memory says) or device memory (--device)")
+      ->check(CLI::IsMember({"host", "device"}))
+      ->capture_default_str();
+  add_device_option(target_cmd, tg.device);
   target_cmd->add_flag("--watch-stdin", tg.watch_stdin, "stop when stdin closes");
 
   // No subcommand: `kv`, so that `kvlink-bench --prompts 1K` works too.

@@ -7,18 +7,28 @@
 // then both report time and bandwidth.
 //
 //   build/examples/prefill_decode [--tokens 4096] [--model qwen3-8b] [--chunk-blocks 32]
+//                                 [--prefill-memory host|cuda|emulated] [--decode-memory ...]
 //
-// With no --role it starts decode as a child process on loopback.
+// With no --role it starts decode as a child process on loopback. A side's
+// KV cache may live in device memory, as a serving engine keeps it on its
+// GPU (--prefill-memory cuda; emulated is kvlink's CPU-only stand-in for CI):
+// the CPU then fills and checks it only through the device's copy engine,
+// and the engine, told the runtime by config.device, stages it.
 #include <kvlink/kvlink.hpp>
+#if defined(KVLINK_EXAMPLE_HAS_CUDA) && __has_include(<kvlink/cuda.hpp>)
+#include <kvlink/cuda.hpp>  // the "cuda" device runtime (link kvlink::cuda)
+#endif
 
 #include <chrono>
 #include <csignal>
 #include <cstdio>
 #include <cstring>
+#include <memory>
 #include <optional>
 #include <string>
 #include <vector>
 
+#include <asio/async_result.hpp>
 #include <asio/co_spawn.hpp>
 #include <asio/io_context.hpp>
 #include <asio/use_awaitable.hpp>
@@ -34,7 +44,78 @@ struct options {
   std::uint32_t tokens = 4096;
   std::uint32_t chunk_blocks = 32;
   std::string connect;
+  std::string prefill_memory = "host";  // or a device runtime: cuda, emulated
+  std::string decode_memory = "host";
 };
+
+// A KV cache in host memory, or in device memory of a device runtime (device
+// 0), which the CPU reaches only through a stream of the device's copy
+// engine: fill() and copy_out() go through it, awaited.
+class kv_cache {
+ public:
+  kv_cache(const std::string& memory, std::uint64_t size, asio::any_io_executor ex) {
+    if (memory == "host") {
+      host_.resize(size);
+      return;
+    }
+    auto rt = kvlink::device_catalog::global().find(memory);
+    if (!rt || !rt->available()) {
+      throw std::runtime_error(fmt::format("no usable device runtime '{}' (this program has: {}){}",
+                                           memory, kvlink::device_catalog::global().names(),
+                                           rt ? ": " + rt->unavailable_reason() : ""));
+    }
+    device_ = kvlink::device_buffer{rt, 0, size};
+    std::error_code ec;
+    std::string what;
+    stream_ = rt->open_stream(0, std::move(ex), ec, what);
+    if (!stream_) throw std::system_error(ec, what);
+  }
+
+  std::byte* data() { return stream_ ? device_.data() : host_.data(); }
+  std::uint64_t size() const { return stream_ ? device_.size() : host_.size(); }
+  bool on_device() const { return stream_ != nullptr; }
+
+  // n host bytes from `src` to `at` in the cache.
+  asio::awaitable<void> fill(std::byte* at, const std::byte* src, std::size_t n) {
+    co_await copy(at, device_memory(), src, {}, n);
+  }
+  // n bytes from `at` in the cache to host memory at `dst`.
+  asio::awaitable<void> copy_out(std::byte* dst, const std::byte* at, std::size_t n) {
+    co_await copy(dst, {}, at, device_memory(), n);
+  }
+
+ private:
+  kvlink::memory_desc device_memory() const {
+    return stream_ ? kvlink::memory_desc{kvlink::memory_kind::device, 0} : kvlink::memory_desc{};
+  }
+
+  asio::awaitable<void> copy(void* dst, kvlink::memory_desc dm, const void* src,
+                             kvlink::memory_desc sm, std::size_t n) {
+    if (!stream_) {
+      std::memcpy(dst, src, n);
+      co_return;
+    }
+    // The stream's completion, posted on our executor, resumes the coroutine
+    // (an error throws).
+    co_await asio::async_initiate<const asio::use_awaitable_t<>&, void(std::error_code)>(
+        [&](auto handler) {
+          auto h = std::make_shared<decltype(handler)>(std::move(handler));
+          stream_->async_copy(dst, dm, src, sm, n, [h](std::error_code ec) { (*h)(ec); });
+        },
+        asio::use_awaitable);
+  }
+
+  std::vector<std::byte> host_;
+  kvlink::device_buffer device_;
+  std::shared_ptr<kvlink::device_stream> stream_;  // last: stopped before the memory goes
+};
+
+// The engine's settings: the device runtime of a cache in device memory.
+kvlink::config engine_config(const kv_cache& cache, const std::string& memory) {
+  kvlink::config cfg{.listen = "127.0.0.1:0"};
+  if (cache.on_device()) cfg.device.runtime = memory;
+  return cfg;
+}
 
 std::uint64_t mix(std::uint64_t x) {
   x += 0x9e3779b97f4a7c15ull;
@@ -84,18 +165,18 @@ int run_decode(const options& o) {
   auto layout = make_layout(o, 1);
   const std::uint32_t blocks = block_count(o, layout);
   layout = make_layout(o, blocks);
-  std::vector<std::byte> cache(layout.total_bytes());
+  asio::io_context io;
+  kv_cache cache{o.decode_memory, layout.total_bytes(), io.get_executor()};
   const auto view = kvlink::kv_local_view::contiguous(layout, cache.data());
 
-  asio::io_context io;
-  kvlink::tcp_engine engine{io.get_executor(), kvlink::config{.listen = "127.0.0.1:0"}};
+  kvlink::tcp_engine engine{io.get_executor(), engine_config(cache, o.decode_memory)};
   engine.register_segment(cache.data(), cache.size(), kvlink::access::remote_write);
   std::printf("ADDR %s\n", engine.local_address().c_str());
   std::fflush(stdout);
 
   std::uint64_t verified = 0, bad = 0;
   std::optional<std::chrono::steady_clock::time_point> first;
-  std::vector<std::byte> expect(layout.block_stride());
+  std::vector<std::byte> expect(layout.block_stride()), got(layout.block_stride());
   bool done = false;
   asio::co_spawn(
       io,
@@ -113,8 +194,9 @@ int run_decode(const options& o) {
             for (std::uint32_t l = 0; l < layout.num_layers; ++l) {
               for (std::uint32_t kv = 0; kv < 2; ++kv) {
                 pattern(expect.data(), expect.size(), l, kv, i);
-                const auto* got = block_addr(view, l, kv, decode_block(i));
-                if (std::memcmp(got, expect.data(), expect.size()) == 0) {
+                co_await cache.copy_out(got.data(), block_addr(view, l, kv, decode_block(i)),
+                                        got.size());
+                if (got == expect) {
                   verified += expect.size();
                 } else {
                   ++bad;
@@ -150,24 +232,28 @@ int run_prefill(const options& o, const std::string& address) {
   auto layout = make_layout(o, 1);
   const std::uint32_t blocks = block_count(o, layout);
   layout = make_layout(o, blocks);
-  std::vector<std::byte> cache(layout.total_bytes());
-  const auto view = kvlink::kv_local_view::contiguous(layout, cache.data());
-  for (std::uint32_t i = 0; i < blocks; ++i) {
-    for (std::uint32_t l = 0; l < layout.num_layers; ++l) {
-      for (std::uint32_t kv = 0; kv < 2; ++kv) {
-        pattern(block_addr(view, l, kv, prefill_block(i)), layout.block_stride(), l, kv, i);
-      }
-    }
-  }
-
   asio::io_context io;
-  kvlink::tcp_engine engine{io.get_executor(), kvlink::config{.listen = "127.0.0.1:0"}};
+  kv_cache cache{o.prefill_memory, layout.total_bytes(), io.get_executor()};
+  const auto view = kvlink::kv_local_view::contiguous(layout, cache.data());
+
+  kvlink::tcp_engine engine{io.get_executor(), engine_config(cache, o.prefill_memory)};
   engine.register_segment(cache.data(), cache.size(), kvlink::access::none);
 
   int status = 1;
   asio::co_spawn(
       io,
       [&]() -> asio::awaitable<int> {
+        // The prompt's KV cache, as the forward pass would have left it.
+        std::vector<std::byte> block(layout.block_stride());
+        for (std::uint32_t i = 0; i < blocks; ++i) {
+          for (std::uint32_t l = 0; l < layout.num_layers; ++l) {
+            for (std::uint32_t kv = 0; kv < 2; ++kv) {
+              pattern(block.data(), block.size(), l, kv, i);
+              co_await cache.fill(block_addr(view, l, kv, prefill_block(i)), block.data(),
+                                  block.size());
+            }
+          }
+        }
         kvlink::peer decode = co_await engine.async_connect(address, asio::use_awaitable);
         const auto remote = kvlink::kv_remote_view::contiguous(layout, decode.segment(0));
         std::uint64_t bytes = 0, requests = 0;
@@ -233,7 +319,7 @@ int run_both(const options& o, const char* self) {
     close(out[0]);
     close(out[1]);
     execl(self, self, "--role", "decode", "--tokens", tokens.c_str(), "--model", o.model.c_str(),
-          static_cast<char*>(nullptr));
+          "--decode-memory", o.decode_memory.c_str(), static_cast<char*>(nullptr));
     _exit(127);
   }
   close(out[1]);
@@ -243,7 +329,11 @@ int run_both(const options& o, const char* self) {
   close(out[0]);
   int prefill = 1;
   if (line.rfind("ADDR ", 0) == 0) {
-    prefill = run_prefill(o, line.substr(5));
+    try {
+      prefill = run_prefill(o, line.substr(5));
+    } catch (const std::exception& e) {
+      std::fprintf(stderr, "prefill: %s\n", e.what());
+    }
   } else {
     std::fprintf(stderr, "decode did not start\n");
   }
@@ -251,7 +341,9 @@ int run_both(const options& o, const char* self) {
   int wstatus = 0;
   waitpid(child, &wstatus, 0);
   const int decode = WIFEXITED(wstatus) ? WEXITSTATUS(wstatus) : 1;
-  std::fprintf(stderr, "%s\n", prefill == 0 && decode == 0 ? "OK: every byte verified" : "FAILED");
+  std::fprintf(stderr, "%s (prefill's KV cache in %s memory, decode's in %s memory)\n",
+               prefill == 0 && decode == 0 ? "OK: every byte verified" : "FAILED",
+               o.prefill_memory.c_str(), o.decode_memory.c_str());
   return prefill == 0 && decode == 0 ? 0 : 1;
 }
 
@@ -271,6 +363,10 @@ int main(int argc, char** argv) {
       o.chunk_blocks = static_cast<std::uint32_t>(std::stoul(v));
     else if (k == "--connect")
       o.connect = v;
+    else if (k == "--prefill-memory")
+      o.prefill_memory = v;
+    else if (k == "--decode-memory")
+      o.decode_memory = v;
     else {
       std::fprintf(stderr, "unknown option %s\n", k.c_str());
       return 2;
