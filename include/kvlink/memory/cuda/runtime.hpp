@@ -506,6 +506,10 @@ class cuda_device final : public device_runtime, public std::enable_shared_from_
 
   attrs attributes(const void* p) const noexcept {
     attrs a;
+    // Some attributes want a current context; any of ours will do.
+    std::error_code ec;
+    std::string what;
+    context_scope scope{*this, 0, ec, what};
     unsigned type = 0;
     int ordinal = -1;
     // Booleans are written as the driver likes (bool or unsigned): zeroed
@@ -541,6 +545,19 @@ class cuda_device final : public device_runtime, public std::enable_shared_from_
       if (drv_.mem_retain_allocation_handle(&h, const_cast<void*>(p)) == CUDA_SUCCESS) {
         a.vmm = true;
         (void)drv_.mem_release(h);
+        // The allocation is the one mapping that holds p, not the reserved
+        // range around it (expandable segments reserve far more than they
+        // map). Drivers before these attributes keep the range's values.
+        CUdeviceptr map_base = 0;
+        std::size_t map_size = 0;
+        CUpointer_attribute mapping[] = {CU_POINTER_ATTRIBUTE_MAPPING_BASE_ADDR,
+                                         CU_POINTER_ATTRIBUTE_MAPPING_SIZE};
+        void* out[] = {&map_base, &map_size};
+        if (drv_.pointer_get_attributes(2, mapping, out, to_address(p)) == CUDA_SUCCESS &&
+            map_base != 0 && map_size != 0) {
+          a.start = map_base;
+          a.size = map_size;
+        }
       }
     }
     return a;
