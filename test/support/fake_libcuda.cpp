@@ -151,6 +151,9 @@ bool no_context() { return ctx_stack.empty(); }
 
 CUresult CUDAAPI pointer_get_attributes(unsigned n, CUpointer_attribute* which, void** data,
                                         CUdeviceptr ptr) {
+  // Stricter than CUDA (which needs no context here), so that kvlink's
+  // retry in a context of its own runs.
+  if (no_context()) return CUDA_ERROR_INVALID_CONTEXT;
   std::lock_guard lock{mutex};
   const auto* r = find(static_cast<std::uintptr_t>(ptr));
   for (unsigned i = 0; i < n; ++i) {

@@ -506,10 +506,6 @@ class cuda_device final : public device_runtime, public std::enable_shared_from_
 
   attrs attributes(const void* p) const noexcept {
     attrs a;
-    // Some attributes want a current context; any of ours will do.
-    std::error_code ec;
-    std::string what;
-    context_scope scope{*this, 0, ec, what};
     unsigned type = 0;
     int ordinal = -1;
     // Booleans are written as the driver likes (bool or unsigned): zeroed
@@ -526,11 +522,21 @@ class cuda_device final : public device_runtime, public std::enable_shared_from_
         CU_POINTER_ATTRIBUTE_MEMPOOL_HANDLE};
     void* data[] = {&type, &ordinal, &managed, &ipc_capable, &start, &size, &mempool};
     static_assert(std::size(which) == std::size(data));
+    auto query = [&] {
+      return drv_.pointer_get_attributes(static_cast<unsigned>(std::size(which)), which, data,
+                                         to_address(p));
+    };
     // Memory CUDA does not know is no error: every attribute stays null.
-    if (drv_.pointer_get_attributes(static_cast<unsigned>(std::size(which)), which, data,
-                                    to_address(p)) != CUDA_SUCCESS) {
-      return a;
+    // No context is needed with unified addressing; should a driver want
+    // one, ask again in device 0's (not at first: it costs GPU memory).
+    auto r = query();
+    if (r == CUDA_ERROR_INVALID_CONTEXT) {
+      std::error_code ec;
+      std::string what;
+      context_scope scope{*this, 0, ec, what};
+      r = query();
     }
+    if (r != CUDA_SUCCESS) return a;
     a.ok = true;
     a.type = type;
     a.ordinal = ordinal;
