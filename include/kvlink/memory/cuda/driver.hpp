@@ -20,6 +20,10 @@
 #include <dlfcn.h>
 #include <fmt/format.h>
 
+#if CUDA_VERSION < 12000
+#error "kvlink::cuda needs the headers of CUDA 12.0 or later (cuGetProcAddress_v2)"
+#endif
+
 // X(member, "symbol", PFN typedef): every driver function kvlink calls.
 #define KVLINK_CUDA_DRIVER_FUNCTIONS(X)                                                     \
   X(init, "cuInit", PFN_cuInit_v2000)                                                       \

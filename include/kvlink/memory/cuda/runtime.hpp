@@ -556,8 +556,10 @@ class cuda_device final : public device_runtime, public std::enable_shared_from_
         // map). Drivers before these attributes keep the range's values.
         CUdeviceptr map_base = 0;
         std::size_t map_size = 0;
-        CUpointer_attribute mapping[] = {CU_POINTER_ATTRIBUTE_MAPPING_BASE_ADDR,
-                                         CU_POINTER_ATTRIBUTE_MAPPING_SIZE};
+        // CU_POINTER_ATTRIBUTE_MAPPING_BASE_ADDR and _MAPPING_SIZE, by value:
+        // early CUDA 12 headers may lack the names.
+        CUpointer_attribute mapping[] = {static_cast<CUpointer_attribute>(19),
+                                         static_cast<CUpointer_attribute>(18)};
         void* out[] = {&map_base, &map_size};
         if (drv_.pointer_get_attributes(2, mapping, out, to_address(p)) == CUDA_SUCCESS &&
             map_base != 0 && map_size != 0) {
@@ -672,7 +674,9 @@ class cuda_device final : public device_runtime, public std::enable_shared_from_
   std::map<CUdeviceptr, export_entry> exports_;
 };
 
-/// Copies on one CUDA stream; completions polled on the executor.
+/// Copies on one CUDA stream; completions polled on the executor. Handlers
+/// run in the order the copies were started on an executor that runs one
+/// handler at a time (an io_context run by one thread, a strand).
 class cuda_device::stream final : public device_stream,
                                   public std::enable_shared_from_this<cuda_device::stream> {
  public:
