@@ -5,7 +5,7 @@
 // check; device_test.cpp covers the runtime there (ctest cuda.memory), and
 // against a fake driver everywhere (unit.memory.fake_cuda).
 // KVLINK_TEST_CUDA_REASON, when set, is the reason expected.
-#ifdef KVLINK_TEST_HAVE_CUDA
+#ifdef KVLINK_TEST_HAS_CUDA
 #include <kvlink/cuda.hpp>
 
 #include <cstdlib>

@@ -12,7 +12,7 @@
 // the parent wrote and writes its own, which the parent then checks.
 #include <kvlink/memory/device.hpp>
 #include <kvlink/memory/emulated.hpp>
-#ifdef KVLINK_TEST_HAVE_CUDA
+#ifdef KVLINK_TEST_HAS_CUDA
 #include <kvlink/cuda.hpp>
 #endif
 
@@ -464,7 +464,7 @@ TEST_SUITE("device") {
     CHECK(ec == kvlink::errc::invalid_argument);
   }
 
-#ifdef KVLINK_TEST_HAVE_CUDA
+#ifdef KVLINK_TEST_HAS_CUDA
   TEST_CASE("device: CUDA VMM memory exports as an fd when created shareable, else says why") {
     auto rt = runtime();
     auto* cuda = dynamic_cast<kvlink::cuda_device*>(rt.get());
