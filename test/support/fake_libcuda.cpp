@@ -7,8 +7,9 @@
 //
 // What it fakes, and how:
 // - one device (FAKE_CUDA_DEVICES=0: cuInit says CUDA_ERROR_NO_DEVICE);
-// - device memory is a memfd mapped read-write (the CPU could touch it: the
-//   emulated device, not this, checks that nothing does);
+// - device memory is a memfd mapped PROT_NONE where the user sees it (the
+//   CPU cannot touch it, as on a GPU: a transport that tries fails as it
+//   would there) and read-write at a private address cuMemcpyAsync uses;
 // - copies are memcpy at cuMemcpyAsync; an event turns complete only on
 //   its third query, so the poller waits and backs off as on a GPU;
 // - an IPC handle holds the exporter's pid and memfd: cuIpcOpenMemHandle
@@ -37,7 +38,8 @@ constexpr std::size_t granularity = 2u << 20;
 
 struct region {
   std::size_t size = 0;
-  int fd = -1;  // the memfd behind device memory; -1 for host
+  int fd = -1;           // the memfd behind device memory; -1 for host
+  void* view = nullptr;  // device memory's read-write mapping (for copies)
   bool device = true;
   bool ipc_capable = false;  // cuMemAlloc memory
   bool imported = false;     // cuIpcOpenMemHandle
@@ -78,9 +80,25 @@ std::pair<const std::uintptr_t, region>* find(std::uintptr_t p) {
   return p - it->first < it->second.size ? &*it : nullptr;
 }
 
-void* map_fd(int fd, std::size_t size, void* at = nullptr) {
-  void* p = ::mmap(at, size, PROT_READ | PROT_WRITE, MAP_SHARED | (at ? MAP_FIXED : 0), fd, 0);
-  return p == MAP_FAILED ? nullptr : p;
+// Maps `fd` PROT_NONE (at `at` when given) for the user and read-write
+// for the copies: the user's address, or null.
+void* map_fd(int fd, std::size_t size, void*& view, void* at = nullptr) {
+  void* p = ::mmap(at, size, PROT_NONE, MAP_SHARED | (at ? MAP_FIXED : 0), fd, 0);
+  if (p == MAP_FAILED) return nullptr;
+  view = ::mmap(nullptr, size, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
+  if (view == MAP_FAILED) {
+    ::munmap(p, size);
+    return nullptr;
+  }
+  return p;
+}
+
+// Where the copy engine reaches `p`: its view for device memory.
+void* reach(CUdeviceptr p) {
+  std::lock_guard lock{mutex};
+  const auto* r = find(static_cast<std::uintptr_t>(p));
+  if (r == nullptr || r->second.view == nullptr) return reinterpret_cast<void*>(p);
+  return static_cast<char*>(r->second.view) + (p - r->first);
 }
 
 int new_memfd(std::size_t size) {
@@ -195,13 +213,14 @@ CUresult CUDAAPI mem_alloc(CUdeviceptr* p, std::size_t n) {
   if (no_context()) return CUDA_ERROR_INVALID_CONTEXT;
   const int fd = new_memfd(n);
   if (fd < 0) return CUDA_ERROR_OUT_OF_MEMORY;
-  void* m = map_fd(fd, n);
+  void* view = nullptr;
+  void* m = map_fd(fd, n, view);
   if (m == nullptr) {
     ::close(fd);
     return CUDA_ERROR_OUT_OF_MEMORY;
   }
   std::lock_guard lock{mutex};
-  regions[reinterpret_cast<std::uintptr_t>(m)] = region{n, fd, true, true, false, 0};
+  regions[reinterpret_cast<std::uintptr_t>(m)] = region{n, fd, view, true, true, false, 0};
   *p = reinterpret_cast<std::uintptr_t>(m);
   return CUDA_SUCCESS;
 }
@@ -212,6 +231,7 @@ CUresult CUDAAPI mem_free(CUdeviceptr p) {
     return CUDA_ERROR_INVALID_VALUE;
   }
   ::munmap(reinterpret_cast<void*>(it->first), it->second.size);
+  ::munmap(it->second.view, it->second.size);
   ::close(it->second.fd);
   regions.erase(it);
   return CUDA_SUCCESS;
@@ -221,7 +241,7 @@ CUresult CUDAAPI mem_host_alloc(void** p, std::size_t n, unsigned) {
   void* m = ::mmap(nullptr, n, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
   if (m == MAP_FAILED) return CUDA_ERROR_OUT_OF_MEMORY;
   std::lock_guard lock{mutex};
-  regions[reinterpret_cast<std::uintptr_t>(m)] = region{n, -1, false, false, false, 0};
+  regions[reinterpret_cast<std::uintptr_t>(m)] = region{n, -1, nullptr, false, false, false, 0};
   *p = m;
   return CUDA_SUCCESS;
 }
@@ -273,7 +293,7 @@ CUresult CUDAAPI event_query(CUevent e) {
 }
 CUresult CUDAAPI memcpy_async(CUdeviceptr dst, CUdeviceptr src, std::size_t n, CUstream) {
   if (no_context()) return CUDA_ERROR_INVALID_CONTEXT;
-  std::memmove(reinterpret_cast<void*>(dst), reinterpret_cast<const void*>(src), n);
+  std::memmove(reach(dst), reach(src), n);
   return CUDA_SUCCESS;
 }
 
@@ -296,13 +316,15 @@ CUresult CUDAAPI ipc_open_mem_handle(CUdeviceptr* p, CUipcMemHandle h, unsigned)
   const int fd = static_cast<int>(::syscall(SYS_pidfd_getfd, pidfd, payload.fd, 0));
   ::close(pidfd);
   if (fd < 0) return CUDA_ERROR_INVALID_VALUE;
-  void* m = map_fd(fd, payload.size);
+  void* view = nullptr;
+  void* m = map_fd(fd, payload.size, view);
   if (m == nullptr) {
     ::close(fd);
     return CUDA_ERROR_OUT_OF_MEMORY;
   }
   std::lock_guard lock{mutex};
-  regions[reinterpret_cast<std::uintptr_t>(m)] = region{payload.size, fd, true, true, true, 0};
+  regions[reinterpret_cast<std::uintptr_t>(m)] =
+      region{payload.size, fd, view, true, true, true, 0};
   *p = reinterpret_cast<std::uintptr_t>(m);
   return CUDA_SUCCESS;
 }
@@ -311,6 +333,7 @@ CUresult CUDAAPI ipc_close_mem_handle(CUdeviceptr p) {
   auto it = regions.find(static_cast<std::uintptr_t>(p));
   if (it == regions.end() || !it->second.imported) return CUDA_ERROR_INVALID_VALUE;
   ::munmap(reinterpret_cast<void*>(it->first), it->second.size);
+  ::munmap(it->second.view, it->second.size);
   ::close(it->second.fd);
   regions.erase(it);
   return CUDA_SUCCESS;
@@ -406,11 +429,12 @@ CUresult CUDAAPI mem_map(CUdeviceptr p, std::size_t size, std::size_t offset,
   if (it == vmm_allocs.end() || offset != 0 || size > it->second.size) {
     return CUDA_ERROR_INVALID_VALUE;
   }
-  if (map_fd(it->second.fd, size, reinterpret_cast<void*>(p)) == nullptr) {
+  void* view = nullptr;
+  if (map_fd(it->second.fd, size, view, reinterpret_cast<void*>(p)) == nullptr) {
     return CUDA_ERROR_OUT_OF_MEMORY;
   }
   ++it->second.refs;  // a mapping holds the allocation, as on CUDA
-  regions[static_cast<std::uintptr_t>(p)] = region{size, -1, true, false, false, h};
+  regions[static_cast<std::uintptr_t>(p)] = region{size, -1, view, true, false, false, h};
   return CUDA_SUCCESS;
 }
 CUresult CUDAAPI mem_unmap(CUdeviceptr p, std::size_t size) {
@@ -418,6 +442,7 @@ CUresult CUDAAPI mem_unmap(CUdeviceptr p, std::size_t size) {
   auto it = regions.find(static_cast<std::uintptr_t>(p));
   if (it == regions.end() || it->second.vmm == 0) return CUDA_ERROR_INVALID_VALUE;
   const auto h = it->second.vmm;
+  ::munmap(it->second.view, size);
   regions.erase(it);
   // Back to reserved address space.
   ::mmap(reinterpret_cast<void*>(p), size, PROT_NONE,
