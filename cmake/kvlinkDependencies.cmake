@@ -72,3 +72,21 @@ if(KVLINK_WITH_TLS AND NOT TARGET kvlink_openssl)
     message(STATUS "kvlink: OpenSSL not found, kvlink::tls not built (apt-get install libssl-dev)")
   endif()
 endif()
+
+# CUDA: kvlink::cuda needs the toolkit's headers only (cuda.h, cudaTypedefs.h):
+# the driver (libcuda.so.1) is loaded at run time with dlopen, so nothing CUDA
+# is linked and a program built with it runs where no driver is installed.
+if(KVLINK_WITH_CUDA AND NOT TARGET kvlink_cuda_headers)
+  find_package(CUDAToolkit QUIET)
+  find_path(KVLINK_CUDA_INCLUDE_DIR NAMES cuda.h cudaTypedefs.h
+    HINTS ${CUDAToolkit_INCLUDE_DIRS} "$ENV{CUDA_HOME}/include" "$ENV{CUDA_PATH}/include"
+    PATHS /usr/local/cuda/include)
+  if(KVLINK_CUDA_INCLUDE_DIR AND EXISTS "${KVLINK_CUDA_INCLUDE_DIR}/cudaTypedefs.h")
+    add_library(kvlink_cuda_headers INTERFACE IMPORTED)
+    set_target_properties(kvlink_cuda_headers PROPERTIES
+      INTERFACE_INCLUDE_DIRECTORIES "${KVLINK_CUDA_INCLUDE_DIR}"
+      INTERFACE_LINK_LIBRARIES "${CMAKE_DL_LIBS}")
+  else()
+    message(STATUS "kvlink: CUDA headers (cuda.h) not found, kvlink::cuda not built (install the CUDA toolkit or set CUDAToolkit_ROOT)")
+  endif()
+endif()

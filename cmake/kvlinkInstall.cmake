@@ -5,7 +5,8 @@
 #   <libdir>/cmake/kvlink/kvlinkConfig.cmake  find_package(kvlink CONFIG)
 #     kvlinkConfigVersion.cmake, kvlinkTargets.cmake (kvlink::kvlink),
 #     kvlinkRdmaTargets.cmake (kvlink::rdma, when built),
-#     kvlinkTlsTargets.cmake (kvlink::tls, when built), and
+#     kvlinkTlsTargets.cmake (kvlink::tls, when built),
+#     kvlinkCudaTargets.cmake (kvlink::cuda, when built), and
 #     kvlinkDependencies.cmake, which kvlinkConfig.cmake includes so a consumer
 #     gets asio::asio and the ibverbs target made exactly as the build made them.
 #   <datadir>/pkgconfig/kvlink.pc             for non-CMake builds
@@ -48,6 +49,15 @@ if(TARGET kvlink_tls)
   export(EXPORT kvlinkTlsTargets NAMESPACE kvlink::
          FILE "${PROJECT_BINARY_DIR}/kvlinkTlsTargets.cmake")
   install(EXPORT kvlinkTlsTargets NAMESPACE kvlink:: DESTINATION "${KVLINK_INSTALL_CMAKEDIR}")
+endif()
+# kvlink::cuda likewise: loaded only where the CUDA headers are found.
+set(KVLINK_EXPORTS_CUDA OFF)
+if(TARGET kvlink_cuda)
+  set(KVLINK_EXPORTS_CUDA ON)
+  install(TARGETS kvlink_cuda EXPORT kvlinkCudaTargets)
+  export(EXPORT kvlinkCudaTargets NAMESPACE kvlink::
+         FILE "${PROJECT_BINARY_DIR}/kvlinkCudaTargets.cmake")
+  install(EXPORT kvlinkCudaTargets NAMESPACE kvlink:: DESTINATION "${KVLINK_INSTALL_CMAKEDIR}")
 endif()
 
 # While the major version is 0, a minor release may break the API (0.1 -> 0.2),
