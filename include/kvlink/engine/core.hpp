@@ -1016,6 +1016,7 @@ class engine_core final : public transport_host,
     p->transport = std::string(choice.chosen->name());
     p->transport_reason = choice.reason;
     p->reaches = choice.chosen->reaches();
+    p->carrier = choice.chosen;
     p->cache = cache_;
     cache_->replace(desc.instance, desc.segments);
     // Segment lists that arrive while the data path connects are kept.

@@ -34,6 +34,7 @@ struct peer_state {
   std::string transport;                    ///< the transport that carries its data
   std::string transport_reason;             ///< why that one (and not the others)
   memory_kinds reaches{memory_kind::host};  ///< what that transport reads and writes directly
+  const ::kvlink::transport* carrier = nullptr;  ///< that transport (lives as long as the engine)
   std::shared_ptr<remote_segment_cache> cache;
   std::atomic<bool> alive{true};
   // Strand-only from here.

@@ -203,7 +203,7 @@ class transfers : public std::enable_shared_from_this<transfers> {
       op->peers.push_back(g.p);
       op->paths.push_back(g.p->path);
       std::vector<bool> used(g.p->path->lane_weights().size(), false);
-      const bool stage = device_memory && staging_ && !g.p->reaches.contains(memory_kind::device);
+      const bool stage = device_memory && staging_;
       for (const auto& s : slices) {
         const slice_ref ref{op,
                             reinterpret_cast<std::byte*>(s.local_addr),
@@ -221,7 +221,9 @@ class transfers : public std::enable_shared_from_this<transfers> {
         }
         if (stage) {
           const auto seg = registry_.get(s.local_segment);
-          if (seg && seg->memory.kind == memory_kind::device) {
+          if (seg && seg->memory.kind == memory_kind::device &&
+              !(g.p->carrier ? g.p->carrier->reaches_segment(*seg)
+                             : g.p->reaches.contains(memory_kind::device))) {
             stage_slice(op, g.p->path, s.lane, ref, seg->memory.device);
             continue;
           }

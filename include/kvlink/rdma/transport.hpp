@@ -46,6 +46,7 @@
 #include <kvlink/detail/log.hpp>
 #include <kvlink/rdma/config.hpp>
 #include <kvlink/rdma/device.hpp>
+#include <kvlink/rdma/gpudirect.hpp>
 #include <kvlink/rdma/path_logic.hpp>
 #include <kvlink/rdma/verbs.hpp>
 #include <kvlink/transport/transport.hpp>
@@ -77,6 +78,7 @@
 #include <ifaddrs.h>
 #include <net/if.h>
 #include <netinet/in.h>
+#include <unistd.h>
 
 namespace kvlink::rdma {
 
@@ -389,7 +391,18 @@ class transport final : public ::kvlink::transport, public std::enable_shared_fr
   std::string_view name() const noexcept override { return "rdma"; }
   bool available() const noexcept override { return available_; }
   std::string unavailable_reason() const override { return reason_; }
-  memory_kinds reaches() const noexcept override { return {memory_kind::host}; }
+  /// Device memory too when the engine has a device runtime: registered
+  /// with GPUDirect where it can be (rdma/gpudirect.hpp), staged otherwise.
+  memory_kinds reaches() const noexcept override {
+    return env_.device ? memory_kinds{memory_kind::host, memory_kind::device}
+                       : memory_kinds{memory_kind::host};
+  }
+  /// A device segment is reached directly only when GPUDirect registered it.
+  bool reaches_segment(const segment_info& seg) const override {
+    if (seg.memory.kind != memory_kind::device) return true;
+    std::lock_guard lock{mr_mutex_};
+    return mrs_.count(seg.id) != 0;
+  }
   const rdma_config& cfg() const noexcept { return cfg_; }
   std::chrono::milliseconds connect_timeout() const noexcept { return env_.connect_timeout; }
   const asio::any_io_executor& strand() const noexcept { return strand_; }
@@ -419,6 +432,7 @@ class transport final : public ::kvlink::transport, public std::enable_shared_fr
 
   std::error_code register_memory(const segment_info& seg, std::string& what) override {
     if (!available_) return {};
+    if (seg.memory.kind == memory_kind::device) return register_device_memory(seg);
     const segment_id id = seg.id;
     void* base = reinterpret_cast<void*>(seg.base);
     const std::uint64_t length = seg.length;
@@ -442,6 +456,57 @@ class transport final : public ::kvlink::transport, public std::enable_shared_fr
     }
     std::lock_guard lock{mr_mutex_};
     mrs_[id] = std::move(mrs);
+    return {};
+  }
+
+  /// GPUDirect for a device segment: dma-buf, else the device pointer
+  /// (nvidia-peermem), else staging (no registration: the engine moves the
+  /// bytes through pinned chunks, and peers cannot address the segment over
+  /// RDMA). The choice and its reason go to the log.
+  std::error_code register_device_memory(const segment_info& seg) {
+    gpudirect_facts f;
+    f.device_memory = true;
+    f.have_reg_dmabuf_mr = true;  // rdma-core 34 or later (Debian 12: 44)
+    f.peermem = peermem_loaded();
+    void* base = reinterpret_cast<void*>(seg.base);
+    int fd = -1;
+    if (env_.device) {
+      std::error_code dec;
+      std::uint64_t offset = 0;
+      fd = env_.device->dmabuf_fd(base, seg.length, offset, dec, f.dmabuf_error);
+      f.dmabuf_fd = fd >= 0;
+      f.dmabuf_offset = offset;
+      f.dmabuf_start = seg.base - offset;
+      f.dmabuf_length = offset + seg.length;
+    }
+    const int flags = IBV_ACCESS_LOCAL_WRITE | to_ibv_access(seg.granted);
+    gpudirect_choice choice;
+    std::vector<memory_region> mrs;
+    for (;;) {
+      choice = choose_gpudirect(f);
+      if (choice.method == gpudirect_method::staging) break;
+      mrs.clear();
+      mrs.resize(ports_.size());
+      std::error_code ec;
+      for (std::size_t i = 0; i < ports_.size() && !ec; ++i) {
+        mrs[i] = choice.method == gpudirect_method::dmabuf
+                     ? memory_region(ports_[i]->pd, f.dmabuf_offset,
+                                     static_cast<std::size_t>(seg.length), seg.base, fd, flags, ec)
+                     : memory_region(ports_[i]->pd, base, static_cast<std::size_t>(seg.length),
+                                     flags, ec);
+      }
+      if (!ec) break;
+      mrs.clear();
+      (choice.method == gpudirect_method::dmabuf ? f.reg_dmabuf_error : f.reg_mr_error) =
+          ec.value();
+    }
+    if (fd >= 0) ::close(fd);
+    ::kvlink::detail::log("rdma: segment {} ({} bytes of device {} memory): {}", seg.id.value(),
+                          seg.length, seg.memory.device, choice.reason);
+    if (!mrs.empty()) {
+      std::lock_guard lock{mr_mutex_};
+      mrs_[seg.id] = std::move(mrs);
+    }
     return {};
   }
 

@@ -344,6 +344,15 @@ class memory_region {
     ec = mr_ ? std::error_code{} : detail::errno_code(errno);
   }
 
+  /// A dma-buf range (GPUDirect, rdma/gpudirect.hpp): `length` bytes at
+  /// `offset` into the dma-buf `fd`, addressed as `iova` in work requests.
+  memory_region(const protection_domain& pd, std::uint64_t offset, std::size_t length,
+                std::uint64_t iova, int fd, int ibv_access, std::error_code& ec) noexcept {
+    errno = 0;
+    mr_ = handle{ibv_reg_dmabuf_mr(pd.get(), offset, length, iova, fd, ibv_access)};
+    ec = mr_ ? std::error_code{} : detail::errno_code(errno);
+  }
+
   ibv_mr* get() const noexcept { return mr_.get(); }
   explicit operator bool() const noexcept { return static_cast<bool>(mr_); }
   std::uint32_t lkey() const noexcept { return mr_.get()->lkey; }

@@ -224,6 +224,12 @@ class transport {
   virtual std::string unavailable_reason() const = 0;
   /// The memory kinds it reads and writes directly.
   virtual memory_kinds reaches() const noexcept = 0;
+  /// Whether it reads and writes this registered local segment directly;
+  /// when not, the engine moves the segment's slices through staging
+  /// (RDMA reaches device memory only where GPUDirect registered it).
+  virtual bool reaches_segment(const segment_info& seg) const {
+    return reaches().contains(seg.memory.kind);
+  }
   /// Reaches only peers on the same host (shm): passing it over for a peer
   /// elsewhere makes no TCP a fallback (config.allow_tcp_fallback is about
   /// network transports).
