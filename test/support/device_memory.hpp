@@ -65,8 +65,9 @@ inline std::error_code device_copy(kvlink::device_runtime& rt, std::int32_t devi
   if (!s) return ec;
   std::optional<std::error_code> done;
   s->async_copy(dst, {}, src, {}, n, [&](std::error_code e) { done = e; });
-  while (!done) io.run_one();
-  return *done;
+  // The stream keeps the io_context's work count up until `done` ran.
+  io.run();
+  return done ? *done : make_error_code(kvlink::errc::device_error);
 }
 
 /// `n` bytes of host or device memory.

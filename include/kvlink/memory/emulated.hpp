@@ -37,7 +37,9 @@
 #include <utility>
 
 #include <asio/any_io_executor.hpp>
+#include <asio/execution/outstanding_work.hpp>
 #include <asio/post.hpp>
+#include <asio/prefer.hpp>
 #include <fmt/format.h>
 #include <sys/mman.h>
 #include <sys/stat.h>
@@ -246,7 +248,10 @@ class emulated_device final : public device_runtime,
       {
         std::lock_guard lock{mutex_};
         if (!stop_) {
-          jobs_.push_back(job{dst, src, n, std::move(done)});
+          // The executor counts the copy as outstanding work until its
+          // completion ran: an io_context does not run out of work under it.
+          jobs_.push_back(job{dst, src, n, std::move(done),
+                              asio::prefer(ex_, asio::execution::outstanding_work.tracked)});
           cv_.notify_one();
           return;
         }
@@ -260,6 +265,7 @@ class emulated_device final : public device_runtime,
       const void* src;
       std::size_t n;
       done_fn done;
+      asio::any_io_executor work;
     };
 
     void run() {
@@ -274,7 +280,7 @@ class emulated_device final : public device_runtime,
         auto* d = rt_->view(j.dst, j.n, ec);
         const auto* s = ec ? nullptr : rt_->view(j.src, j.n, ec);
         if (!ec && j.n > 0) std::memmove(d, s, j.n);
-        asio::post(ex_, [done = std::move(j.done), ec] { done(ec); });
+        asio::post(j.work, [done = std::move(j.done), ec] { done(ec); });
         lock.lock();
       }
     }
