@@ -249,8 +249,12 @@ TEST_CASE("lane_server: closing with device copies in flight gives back pins and
   for (std::uint64_t i = 0; i < 4; ++i) {
     r.send(read_frame(r.device_seg, 1000 + i, i * chunk, chunk, true));
   }
-  asio::post(r.server->get_executor(), [s = r.server] { s->close(); });
-  CHECK(r.wait_for([&] { return r.server->closed() && r.host.pins == 0; }));
+  std::atomic<bool> closed{false};
+  asio::post(r.server->get_executor(), [s = r.server, &closed] {
+    s->close();
+    closed = true;
+  });
+  CHECK(r.wait_for([&] { return closed && r.host.pins == 0; }));
   // Every chunk is back in the pool.
   std::atomic<std::size_t> got{0};
   std::vector<std::byte*> chunks(r.staging->chunks_per_device());
