@@ -168,6 +168,14 @@ class segment_registry {
   /// is untouched. A zero-length range at offset <= length passes.
   std::error_code check_remote_access(segment_id id, std::uint64_t offset, std::uint64_t length,
                                       access needed, std::byte*& out) const {
+    memory_desc memory;
+    return check_remote_access(id, offset, length, needed, out, memory);
+  }
+
+  /// check_remote_access(), also saying on success where the segment's
+  /// bytes live (a target serves device memory through staging).
+  std::error_code check_remote_access(segment_id id, std::uint64_t offset, std::uint64_t length,
+                                      access needed, std::byte*& out, memory_desc& memory) const {
     std::shared_lock lock{mutex_};
     auto it = by_id_.find(id);
     if (it == by_id_.end()) return errc::not_registered;
@@ -177,6 +185,7 @@ class segment_registry {
       return e;
     }
     out = reinterpret_cast<std::byte*>(s.base + static_cast<std::uintptr_t>(offset));
+    memory = s.memory;
     return {};
   }
 

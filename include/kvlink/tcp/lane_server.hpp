@@ -10,24 +10,48 @@
 // connection. Segments are pinned while a frame touches them, so
 // unregistration waits for it.
 //
+// Device memory (a segment of memory_kind::device) is never touched by the
+// CPU or a syscall: its frames pass through a pinned chunk of the target's
+// staging pool (transport_env::target_staging). A WRITE's payload is read
+// into the chunk, its checksum checked there (a mismatch is answered and
+// nothing is copied), then copied to the device; it is acknowledged only
+// once that copy finished ("complete means visible"). A READ is copied
+// device -> chunk, then sent from the chunk. The next frame is read while a
+// chunk's copy runs, so several copies may be in flight; responses still go
+// out in request order (the initiator's lane expects them so), a response
+// waiting for its copy holding back those behind it. The segment stays
+// pinned until its copy finished, the chunk is given back once nothing uses
+// it (after the copy of a WRITE, after the send of a READ), also when the
+// connection closes meanwhile (a copy in flight gives back its own). A frame
+// longer than a chunk (a peer with longer slices) gets pinned memory of its
+// own, one such frame at a time: no header is read until it is done. A
+// frame on device memory when this engine has no staging is answered with
+// errc::device_error.
+//
 // Runs on the executor of its socket (a strand of its own: close() and
-// holds() are posted there by the transport); pins through a
-// transport_host, which it keeps alive while it may still unpin.
+// holds() are posted there by the transport, copy and chunk completions are
+// posted there by the staging pool); pins through a transport_host, which
+// it keeps alive while it may still unpin, and keeps its staging pool alive
+// while a copy or a chunk of its may be outstanding.
 #pragma once
 
 #include <kvlink/core/crc32c.hpp>
 #include <kvlink/core/error.hpp>
 #include <kvlink/core/segment_registry.hpp>
+#include <kvlink/memory/device.hpp>
+#include <kvlink/memory/staging.hpp>
 #include <kvlink/tcp/frame.hpp>
 #include <kvlink/transport/transport.hpp>
 
 #include <algorithm>
 #include <deque>
+#include <exception>
 #include <memory>
 #include <vector>
 
 #include <asio/buffer.hpp>
 #include <asio/ip/tcp.hpp>
+#include <asio/post.hpp>
 #include <asio/read.hpp>
 #include <asio/write.hpp>
 
@@ -45,10 +69,13 @@ class lane_server : public std::enable_shared_from_this<lane_server> {
   static constexpr std::size_t max_deferred_responses = 32;
   static constexpr std::uint64_t max_deferred_payload = 64u << 10;
 
-  /// `lease` (optional) is held until the connection closes.
+  /// `lease` (optional) is held until the connection closes. `staging`
+  /// (null: no device runtime) serves frames on device segments.
   lane_server(asio::ip::tcp::socket socket, const segment_registry& registry, transport_host& host,
-              std::uint64_t max_frame_payload, std::shared_ptr<void> lease = nullptr)
-      : socket_(std::move(socket)),
+              std::uint64_t max_frame_payload, std::shared_ptr<void> lease = nullptr,
+              std::shared_ptr<staging_pool> staging = nullptr)
+      : staging_(std::move(staging)),
+        socket_(std::move(socket)),
         registry_(registry),
         keep_(host.keep_alive()),
         host_(host),
@@ -69,15 +96,23 @@ class lane_server : public std::enable_shared_from_this<lane_server> {
     socket_.close(ignored);
     lease_.reset();
     // Pins of responses not yet written are released here: the socket is
-    // closed, nothing reads segment memory for them any more.
+    // closed, nothing reads segment memory for them any more. So are the
+    // chunks and pins of staged frames, except those a copy or a chunk is
+    // awaited for: their callback gives them back once the copy finished.
     for (auto& r : out_) {
-      if (r.pinned) host_.unpin(r.segment);
+      if (r.st) {
+        if (!r.st->busy) release(*r.st);
+      } else if (r.pinned) {
+        host_.unpin(r.segment);
+      }
     }
     out_.clear();
     if (pinned_read_) {
       host_.unpin(pinned_read_segment_);
       pinned_read_ = false;
     }
+    if (incoming_ && !incoming_->busy) release(*incoming_);
+    incoming_.reset();
   }
 
   bool closed() const noexcept { return closed_; }
@@ -86,21 +121,40 @@ class lane_server : public std::enable_shared_from_this<lane_server> {
   /// being read into it, or a READ response not yet written from it.
   bool holds(segment_id seg) const noexcept {
     if (pinned_read_ && pinned_read_segment_ == seg) return true;
-    return std::any_of(out_.begin(), out_.end(),
-                       [seg](const response& r) { return r.pinned && r.segment == seg; });
+    if (incoming_ && incoming_->pinned && incoming_->segment == seg) return true;
+    return std::any_of(out_.begin(), out_.end(), [seg](const response& r) {
+      return r.st ? r.st->pinned && r.st->segment == seg : r.pinned && r.segment == seg;
+    });
   }
 
  private:
+  // A frame on device memory, served through staging memory.
+  struct staged {
+    frame_header req;
+    segment_id segment{};
+    std::int32_t device = -1;
+    std::byte* memory = nullptr;  // the device bytes the frame names
+    std::byte* chunk = nullptr;   // a chunk of the pool, or big's memory
+    pinned_buffer big;            // a frame longer than a chunk
+    frame_bytes header{};         // its response, once ready
+    std::uint64_t length = 0;     // that response's payload bytes (from `chunk`)
+    bool oversize = false;        // longer than a chunk
+    bool pinned = false;          // holds a pin on `segment`
+    bool busy = false;            // a chunk or a copy is awaited: its callback cleans up
+    bool ready = false;           // its response may be written
+  };
+
   struct response {
     frame_bytes header;
     const std::byte* payload = nullptr;
     std::uint64_t length = 0;
     segment_id segment{};
     bool pinned = false;
+    std::shared_ptr<staged> st;  // a frame on device memory: header and payload there
   };
 
   void read_header() {
-    if (closed_) return;
+    if (closed_ || stalled_) return;
     if (out_.size() >= max_pending_responses) {
       paused_ = true;  // resumed by the writer
       return;
@@ -124,17 +178,23 @@ class lane_server : public std::enable_shared_from_this<lane_server> {
       return;
     }
     const segment_id seg{h.segment};
+    memory_desc memory;
     if (h.type == frame_type::write_request) {
       std::byte* dst = nullptr;
-      const auto check = h.length == 0 ? std::error_code{errc::invalid_argument}
-                                       : registry_.check_remote_access(seg, h.offset, h.length,
-                                                                       access::remote_write, dst);
+      auto check = h.length == 0 ? std::error_code{errc::invalid_argument}
+                                 : registry_.check_remote_access(seg, h.offset, h.length,
+                                                                 access::remote_write, dst, memory);
+      if (!check && memory.kind == memory_kind::device && !staging_) check = errc::device_error;
       if (check) {
         drain(h, check);
         return;
       }
       if (!host_.pin(seg)) {  // unregistered since the check
         drain(h, errc::not_registered);
+        return;
+      }
+      if (memory.kind == memory_kind::device) {
+        write_staged(h, memory.device, dst);
         return;
       }
       pinned_read_ = true;
@@ -161,17 +221,196 @@ class lane_server : public std::enable_shared_from_this<lane_server> {
       return;
     }
     std::byte* src = nullptr;
-    const auto check = h.length == 0 ? std::error_code{errc::invalid_argument}
-                                     : registry_.check_remote_access(seg, h.offset, h.length,
-                                                                     access::remote_read, src);
+    auto check = h.length == 0 ? std::error_code{errc::invalid_argument}
+                               : registry_.check_remote_access(seg, h.offset, h.length,
+                                                               access::remote_read, src, memory);
+    if (!check && memory.kind == memory_kind::device && !staging_) check = errc::device_error;
     if (check) {
       respond(frame_type::read_response, h, check, nullptr, segment_id{}, false);
     } else if (!host_.pin(seg)) {  // unregistered since the check
       respond(frame_type::read_response, h, errc::not_registered, nullptr, segment_id{}, false);
+    } else if (memory.kind == memory_kind::device) {
+      read_staged(h, memory.device, src);
     } else {
       respond(frame_type::read_response, h, {}, src, seg, true);
     }
     read_header();
+  }
+
+  // ------------------------------------------------------------ staging
+
+  std::shared_ptr<staged> make_staged(const frame_header& h, std::int32_t device,
+                                      std::byte* memory) {
+    auto st = std::make_shared<staged>();
+    st->req = h;
+    st->segment = segment_id{h.segment};
+    st->device = device;
+    st->memory = memory;
+    st->oversize = h.length > staging_->chunk_size();
+    st->pinned = true;  // pinned by on_header
+    return st;
+  }
+
+  // Gives back what a staged frame holds: its chunk and its pin.
+  void release(staged& st) {
+    if (st.big.data() != nullptr) {
+      st.big = pinned_buffer{};
+    } else if (st.chunk != nullptr) {
+      staging_->release(st.device, st.chunk);
+    }
+    st.chunk = nullptr;
+    if (st.pinned) {
+      st.pinned = false;
+      host_.unpin(st.segment);
+    }
+  }
+
+  // Gets `st` its staging memory, then runs next(ok) on the strand (never
+  // inside this call; not at all once closed: the chunk goes back). A frame
+  // longer than a chunk gets pinned memory of its own; ok is false when
+  // there is none (the pool has no staging for the device, or the
+  // allocation failed).
+  template <class Next>
+  void with_chunk(const std::shared_ptr<staged>& st, Next next) {
+    st->busy = true;
+    auto ready = [self = shared_from_this(), st, next](std::byte* chunk) mutable {
+      st->busy = false;
+      if (st->big.data() == nullptr) st->chunk = chunk;
+      if (self->closed_) {
+        self->release(*st);
+        return;
+      }
+      next(st->chunk != nullptr);
+    };
+    if (!st->oversize) {
+      staging_->acquire(st->device, get_executor(), std::move(ready));
+      return;
+    }
+    try {
+      st->big = pinned_buffer{staging_->runtime_ptr(), static_cast<std::size_t>(st->req.length)};
+      st->chunk = st->big.data();
+    } catch (const std::exception&) {
+      st->chunk = nullptr;  // answered with device_error
+    }
+    asio::post(get_executor(),
+               [ready = std::move(ready), chunk = st->chunk]() mutable { ready(chunk); });
+  }
+
+  // The response of a staged frame, ready to be written.
+  void set_ready(staged& st, frame_type type, std::error_code status) {
+    const auto h = response_header(type, st.req, status, st.chunk);
+    st.header = encode(h);
+    st.length = h.length;
+    st.ready = true;
+  }
+
+  // Lets the next header be read after a frame longer than a chunk.
+  void unstall() {
+    if (!stalled_) return;
+    stalled_ = false;
+    read_header();
+  }
+
+  // A WRITE into device memory (pinned, checked): payload -> chunk -> device,
+  // then the acknowledgement.
+  void write_staged(const frame_header& h, std::int32_t device, std::byte* dst) {
+    auto st = make_staged(h, device, dst);
+    incoming_ = st;
+    with_chunk(st, [self = shared_from_this(), st](bool ok) { self->on_write_chunk(st, ok); });
+  }
+
+  void on_write_chunk(const std::shared_ptr<staged>& st, bool ok) {
+    if (!ok) {  // no staging: the payload is read and dropped, the error answered
+      incoming_.reset();
+      release(*st);
+      drain(st->req, errc::device_error);
+      return;
+    }
+    asio::async_read(socket_, asio::buffer(st->chunk, static_cast<std::size_t>(st->req.length)),
+                     [self = shared_from_this(), st](std::error_code ec, std::size_t) {
+                       self->on_write_payload(st, ec);
+                     });
+  }
+
+  void on_write_payload(const std::shared_ptr<staged>& st, std::error_code ec) {
+    if (closed_) return;  // close() gave back its chunk and pin
+    incoming_.reset();
+    if (ec) {
+      release(*st);
+      close();
+      return;
+    }
+    const auto& h = st->req;
+    out_.push_back(response{{}, nullptr, 0, segment_id{}, false, st});
+    // Checked in the chunk: a corrupted payload never reaches the device.
+    if ((h.flags & frame_flag_checksum) != 0 &&
+        crc32c(st->chunk, static_cast<std::size_t>(h.length)) != h.checksum) {
+      release(*st);
+      set_ready(*st, frame_type::write_ack, errc::checksum_mismatch);
+      write();
+      read_header();
+      return;
+    }
+    st->busy = true;
+    staging_->copy(
+        st->device, st->memory, memory_desc{memory_kind::device, st->device}, st->chunk,
+        memory_desc{}, static_cast<std::size_t>(h.length), get_executor(),
+        [self = shared_from_this(), st](std::error_code cec) { self->on_write_copied(st, cec); });
+    // The next frame arrives while this one is copied (one frame longer than
+    // a chunk at a time: its memory is not the pool's).
+    if (st->oversize) stalled_ = true;
+    read_header();
+  }
+
+  void on_write_copied(const std::shared_ptr<staged>& st, std::error_code ec) {
+    st->busy = false;
+    release(*st);  // the bytes are in device memory (or the copy failed)
+    if (closed_) return;
+    // Complete means visible: acknowledged only now.
+    set_ready(*st, frame_type::write_ack, ec ? errc::device_error : std::error_code{});
+    write();
+    if (st->oversize) unstall();
+  }
+
+  // A READ of device memory (pinned, checked): device -> chunk, then sent
+  // from the chunk.
+  void read_staged(const frame_header& h, std::int32_t device, std::byte* src) {
+    auto st = make_staged(h, device, src);
+    out_.push_back(response{{}, nullptr, 0, segment_id{}, false, st});
+    if (st->oversize) stalled_ = true;  // until its response is written
+    with_chunk(st, [self = shared_from_this(), st](bool ok) { self->on_read_chunk(st, ok); });
+  }
+
+  void on_read_chunk(const std::shared_ptr<staged>& st, bool ok) {
+    if (!ok) {
+      release(*st);
+      set_ready(*st, frame_type::read_response, errc::device_error);
+      write();
+      return;
+    }
+    st->busy = true;
+    staging_->copy(
+        st->device, st->chunk, memory_desc{}, st->memory,
+        memory_desc{memory_kind::device, st->device}, static_cast<std::size_t>(st->req.length),
+        get_executor(),
+        [self = shared_from_this(), st](std::error_code ec) { self->on_read_copied(st, ec); });
+  }
+
+  void on_read_copied(const std::shared_ptr<staged>& st, std::error_code ec) {
+    st->busy = false;
+    if (closed_ || ec) {
+      release(*st);
+      if (!closed_) {
+        set_ready(*st, frame_type::read_response, errc::device_error);
+        write();
+      }
+      return;
+    }
+    // The bytes are in the chunk: the segment is not touched any more.
+    st->pinned = false;
+    host_.unpin(st->segment);
+    set_ready(*st, frame_type::read_response, {});
+    write();
   }
 
   // Reads and discards a rejected WRITE's payload (bounded by
@@ -201,8 +440,10 @@ class lane_server : public std::enable_shared_from_this<lane_server> {
                      });
   }
 
-  void respond(frame_type type, const frame_header& req, std::error_code status,
-               const std::byte* payload, segment_id seg, bool pinned) {
+  // The response to `req`; a READ's payload (checksummed when asked) is at
+  // `payload`.
+  static frame_header response_header(frame_type type, const frame_header& req,
+                                      std::error_code status, const std::byte* payload) {
     frame_header h;
     h.type = type;
     h.tag = req.tag;
@@ -214,7 +455,13 @@ class lane_server : public std::enable_shared_from_this<lane_server> {
       h.flags = frame_flag_checksum;
       h.checksum = crc32c(payload, static_cast<std::size_t>(h.length));
     }
-    out_.push_back(response{encode(h), payload, h.length, seg, pinned});
+    return h;
+  }
+
+  void respond(frame_type type, const frame_header& req, std::error_code status,
+               const std::byte* payload, segment_id seg, bool pinned) {
+    const auto h = response_header(type, req, status, payload);
+    out_.push_back(response{encode(h), payload, h.length, seg, pinned, nullptr});
     // After a small frame, when the next request is already waiting in the
     // socket, answer it together with this one: one send for a run of small
     // frames instead of one each. The read loop is about to take that
@@ -233,12 +480,22 @@ class lane_server : public std::enable_shared_from_this<lane_server> {
     if (writing_ || closed_ || out_.empty()) return;
     bufs_.clear();
     batch_ = 0;
+    // In request order: a staged frame whose copy runs holds back the rest.
     for (const auto& r : out_) {
       if (batch_ == 64) break;
-      bufs_.emplace_back(r.header.data(), r.header.size());
-      if (r.length > 0) bufs_.emplace_back(r.payload, static_cast<std::size_t>(r.length));
+      if (r.st) {
+        if (!r.st->ready) break;
+        bufs_.emplace_back(r.st->header.data(), r.st->header.size());
+        if (r.st->length > 0) {
+          bufs_.emplace_back(r.st->chunk, static_cast<std::size_t>(r.st->length));
+        }
+      } else {
+        bufs_.emplace_back(r.header.data(), r.header.size());
+        if (r.length > 0) bufs_.emplace_back(r.payload, static_cast<std::size_t>(r.length));
+      }
       ++batch_;
     }
+    if (batch_ == 0) return;
     writing_ = true;
     asio::async_write(socket_, bufs_, [self = shared_from_this()](std::error_code ec, std::size_t) {
       self->writing_ = false;
@@ -247,8 +504,15 @@ class lane_server : public std::enable_shared_from_this<lane_server> {
         self->close();
         return;
       }
+      bool oversize = false;
       for (std::size_t i = 0; i < self->batch_; ++i) {
-        if (self->out_.front().pinned) self->host_.unpin(self->out_.front().segment);
+        auto& r = self->out_.front();
+        if (r.st) {
+          oversize = oversize || r.st->oversize;
+          self->release(*r.st);  // written from its chunk: the chunk goes back
+        } else if (r.pinned) {
+          self->host_.unpin(r.segment);
+        }
         self->out_.pop_front();
       }
       if (self->paused_ && self->out_.size() < max_pending_responses / 2) {
@@ -256,9 +520,13 @@ class lane_server : public std::enable_shared_from_this<lane_server> {
         self->read_header();
       }
       self->write();
+      if (oversize) self->unstall();  // a READ longer than a chunk was sent
     });
   }
 
+  // First: the chunks of copies still in flight when the server goes
+  // belong to it.
+  std::shared_ptr<staging_pool> staging_;
   asio::ip::tcp::socket socket_;
   const segment_registry& registry_;
   std::shared_ptr<transport_host> keep_;  // the host outlives the server's handlers
@@ -272,9 +540,11 @@ class lane_server : public std::enable_shared_from_this<lane_server> {
   std::vector<std::byte> scratch_;
   std::uint64_t drain_left_ = 0;
   segment_id pinned_read_segment_{};
+  std::shared_ptr<staged> incoming_;  // a staged WRITE whose payload is being read
   bool pinned_read_ = false;
   bool writing_ = false;
   bool paused_ = false;
+  bool stalled_ = false;  // a frame longer than a chunk is being served
   bool closed_ = false;
 };
 

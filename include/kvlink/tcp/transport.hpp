@@ -5,8 +5,9 @@
 // themselves with a lane hello naming the instance they expect, so a peer
 // that restarted in between refuses them.
 //
-// Reaches host memory. Publishes no per-segment key: a TCP target checks
-// every frame against its registry, by segment id.
+// Reaches host memory; device memory goes through staging on both sides
+// (the engine stages the initiator's, lane_server the target's). Publishes no per-segment key: a
+// TCP target checks every frame against its registry, by segment id.
 #pragma once
 
 #include <kvlink/control/handshake.hpp>
@@ -313,7 +314,8 @@ class transport final : public kvlink::transport, public std::enable_shared_from
       return;
     }
     auto server = std::make_shared<lane_server>(std::move(own), *env_.registry, *env_.host,
-                                                cfg_.max_frame_payload, std::move(lease));
+                                                cfg_.max_frame_payload, std::move(lease),
+                                                env_.target_staging);
     std::erase_if(servers_, [](const auto& w) { return w.expired(); });
     servers_.push_back(server);
     on_strand_of(server, [server] { server->start(); });

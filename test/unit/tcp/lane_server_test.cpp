@@ -1,0 +1,272 @@
+// The TCP target side on its own (tcp/lane_server.hpp): frames written by
+// hand to a lane_server over loopback, its answers read back. Device
+// segments of the emulated device go through a staging pool: a WRITE is
+// acknowledged only once its bytes are in device memory, a corrupted
+// payload is answered and never copied, a target without staging answers
+// device_error and keeps serving, and a connection closed while copies run
+// gives back every pin and chunk once they finished.
+#include <kvlink/tcp/lane_server.hpp>
+
+#include <atomic>
+#include <chrono>
+#include <cstring>
+#include <memory>
+#include <thread>
+#include <vector>
+
+#include "../../support/device_memory.hpp"
+#include "../../support/test_support.hpp"
+#include <asio/executor_work_guard.hpp>
+#include <asio/io_context.hpp>
+#include <asio/strand.hpp>
+#include <doctest/doctest.h>
+
+namespace {
+
+using namespace std::chrono_literals;
+using kvlink::tcp::frame_header;
+using kvlink::tcp::frame_type;
+
+struct counting_host final : kvlink::transport_host {
+  std::atomic<int> pins{0};
+  void slice_done(kvlink::detail::transfer_op*, std::uint64_t, std::error_code) override {}
+  bool stopping(const kvlink::detail::transfer_op*) const noexcept override { return false; }
+  bool pin(kvlink::segment_id) override {
+    ++pins;
+    return true;
+  }
+  void unpin(kvlink::segment_id) override { --pins; }
+};
+
+std::shared_ptr<kvlink::device_runtime> runtime() {
+  static const auto rt = kvlink_test::require_device_or_skip();
+  return rt;
+}
+
+constexpr std::uint64_t chunk = 64u << 10;
+
+// A lane_server on a thread of its own, a client socket to it, a device
+// segment and a host segment.
+struct server_rig {
+  asio::io_context io;
+  asio::executor_work_guard<asio::io_context::executor_type> work{io.get_executor()};
+  kvlink::segment_registry registry;
+  counting_host host;
+  std::shared_ptr<kvlink::staging_pool> staging;
+  kvlink_test::test_memory device;
+  std::vector<std::byte> host_memory;
+  kvlink::segment_id device_seg, host_seg;
+  asio::ip::tcp::socket client{io};
+  std::shared_ptr<kvlink::tcp::lane_server> server;
+  std::thread runner;
+
+  explicit server_rig(bool with_staging, std::size_t n = 1u << 20)
+      : device(n, true, runtime(), 0), host_memory(n) {
+    if (with_staging) {
+      staging =
+          std::make_shared<kvlink::staging_pool>(runtime(), io.get_executor(), chunk, 4 * chunk);
+    }
+    std::error_code ec;
+    device_seg = registry.add(device.data(), n, kvlink::access::remote_read_write, ec,
+                              kvlink::memory_desc{kvlink::memory_kind::device, 0});
+    REQUIRE_FALSE(ec);
+    host_seg = registry.add(host_memory.data(), n, kvlink::access::remote_read_write, ec);
+    REQUIRE_FALSE(ec);
+    asio::ip::tcp::acceptor acceptor(io, {asio::ip::address_v4::loopback(), 0});
+    client.connect(acceptor.local_endpoint());
+    asio::ip::tcp::socket accepted(asio::make_strand(io));
+    acceptor.accept(accepted);
+    server = std::make_shared<kvlink::tcp::lane_server>(std::move(accepted), registry, host,
+                                                        64u << 20, nullptr, staging);
+    asio::post(server->get_executor(), [s = server] { s->start(); });
+    runner = std::thread([this] { io.run(); });
+  }
+
+  ~server_rig() {
+    std::error_code ignored;
+    client.close(ignored);
+    asio::post(server->get_executor(), [s = server] { s->close(); });
+    // Copies still running would write to device memory about to be freed.
+    (void)wait_for([&] { return host.pins == 0; });
+    work.reset();
+    io.stop();
+    runner.join();
+  }
+
+  void send(frame_header h, const std::byte* payload = nullptr) {
+    const auto b = kvlink::tcp::encode(h);
+    asio::write(client, asio::buffer(b));
+    if (payload != nullptr) asio::write(client, asio::buffer(payload, h.length));
+  }
+
+  frame_header receive(std::vector<std::byte>* payload = nullptr) {
+    kvlink::tcp::frame_bytes b{};
+    asio::read(client, asio::buffer(b));
+    frame_header h;
+    REQUIRE_FALSE(kvlink::tcp::decode(b.data(), h));
+    if (h.length > 0) {
+      REQUIRE(payload != nullptr);
+      payload->resize(h.length);
+      asio::read(client, asio::buffer(*payload));
+    }
+    return h;
+  }
+
+  // Waits (on this thread) for `done`, with the server running on its own.
+  template <class Pred>
+  bool wait_for(Pred done, std::chrono::seconds limit = 30s) {
+    const auto until = std::chrono::steady_clock::now() + limit;
+    while (!done()) {
+      if (std::chrono::steady_clock::now() > until) return false;
+      std::this_thread::sleep_for(1ms);
+    }
+    return true;
+  }
+};
+
+frame_header write_frame(kvlink::segment_id seg, std::uint64_t tag, std::uint64_t offset,
+                         const std::vector<std::byte>& payload, bool checksum) {
+  frame_header h;
+  h.type = frame_type::write_request;
+  h.tag = tag;
+  h.segment = seg.value();
+  h.offset = offset;
+  h.length = payload.size();
+  if (checksum) {
+    h.flags = kvlink::tcp::frame_flag_checksum;
+    h.checksum = kvlink::crc32c(payload.data(), payload.size());
+  }
+  return h;
+}
+
+frame_header read_frame(kvlink::segment_id seg, std::uint64_t tag, std::uint64_t offset,
+                        std::uint64_t length, bool checksum) {
+  frame_header h;
+  h.type = frame_type::read_request;
+  h.tag = tag;
+  h.segment = seg.value();
+  h.offset = offset;
+  h.length = length;
+  if (checksum) h.flags = kvlink::tcp::frame_flag_checksum;
+  return h;
+}
+
+std::vector<std::byte> pattern(std::size_t n, std::uint64_t seed) {
+  std::vector<std::byte> v(n);
+  kvlink_test::fill_pattern(v.data(), n, seed, 0);
+  return v;
+}
+
+}  // namespace
+
+TEST_CASE("lane_server: a WRITE into device memory is acknowledged once its bytes are there") {
+  server_rig r{true};
+  // Back to back, without waiting: chunk-sized, odd, and longer than a chunk
+  // (pinned memory of its own), with and without checksums.
+  const std::vector<std::pair<std::uint64_t, std::size_t>> frames{
+      {3, 1}, {100, chunk}, {70000, 4097}, {200000, 3 * chunk + 5}, {400001, chunk - 1}};
+  std::vector<std::vector<std::byte>> sent;
+  std::uint64_t tag = 1;
+  for (const auto& [offset, len] : frames) {
+    sent.push_back(pattern(len, tag));
+    r.send(write_frame(r.device_seg, tag, offset, sent.back(), tag % 2 == 0), sent.back().data());
+    ++tag;
+  }
+  // Acknowledged in order; at each acknowledgement the bytes are in device
+  // memory.
+  for (std::size_t i = 0; i < frames.size(); ++i) {
+    const auto h = r.receive();
+    CHECK(h.type == frame_type::write_ack);
+    CHECK(h.tag == i + 1);
+    CHECK(h.status == 0);
+    CHECK(r.device.read(frames[i].first, frames[i].second) == sent[i]);
+  }
+  // READs of the same bytes come back from device memory, with checksums.
+  for (std::size_t i = 0; i < frames.size(); ++i) {
+    r.send(read_frame(r.device_seg, 100 + i, frames[i].first, frames[i].second, i % 2 == 1));
+  }
+  for (std::size_t i = 0; i < frames.size(); ++i) {
+    std::vector<std::byte> got;
+    const auto h = r.receive(&got);
+    CHECK(h.type == frame_type::read_response);
+    CHECK(h.tag == 100 + i);
+    CHECK(h.status == 0);
+    CHECK(got == sent[i]);
+    if (i % 2 == 1) {
+      CHECK((h.flags & kvlink::tcp::frame_flag_checksum) != 0);
+      CHECK(h.checksum == kvlink::crc32c(got.data(), got.size()));
+    }
+  }
+  CHECK(r.wait_for([&] { return r.host.pins == 0; }));
+}
+
+TEST_CASE("lane_server: a device WRITE with a bad checksum is answered and never copied") {
+  server_rig r{true};
+  const auto before = r.device.read(0, 8192);
+  const auto payload = pattern(8192, 7);
+  auto h = write_frame(r.device_seg, 1, 0, payload, true);
+  h.checksum ^= 1;
+  r.send(h, payload.data());
+  const auto ack = r.receive();
+  CHECK(ack.tag == 1);
+  CHECK(kvlink::tcp::status_to_error(ack.status) == kvlink::errc::checksum_mismatch);
+  CHECK(r.device.read(0, 8192) == before);
+  // The connection goes on.
+  r.send(write_frame(r.device_seg, 2, 0, payload, true), payload.data());
+  CHECK(r.receive().status == 0);
+  CHECK(r.device.read(0, 8192) == payload);
+}
+
+TEST_CASE("lane_server: a device segment without staging is answered with device_error") {
+  server_rig r{false};
+  const auto payload = pattern(4096, 3);
+  r.send(write_frame(r.device_seg, 1, 0, payload, false), payload.data());
+  r.send(read_frame(r.device_seg, 2, 0, 4096, false));
+  // Host memory is still served on the same connection.
+  r.send(write_frame(r.host_seg, 3, 0, payload, true), payload.data());
+  auto h = r.receive();
+  CHECK(h.tag == 1);
+  CHECK(kvlink::tcp::status_to_error(h.status) == kvlink::errc::device_error);
+  h = r.receive();
+  CHECK(h.tag == 2);
+  CHECK(h.length == 0);
+  CHECK(kvlink::tcp::status_to_error(h.status) == kvlink::errc::device_error);
+  h = r.receive();
+  CHECK(h.tag == 3);
+  CHECK(h.status == 0);
+  CHECK(std::memcmp(r.host_memory.data(), payload.data(), payload.size()) == 0);
+  CHECK(r.wait_for([&] { return r.host.pins == 0; }));
+}
+
+TEST_CASE("lane_server: closing with device copies in flight gives back pins and chunks after") {
+  server_rig r{true, 8u << 20};
+  const auto payload = pattern(chunk, 5);
+  // WRITEs whose acknowledgements are never read, then READs whose
+  // responses (holding chunks) are never read either.
+  for (std::uint64_t i = 0; i < 64; ++i) {
+    r.send(write_frame(r.device_seg, i + 1, i * chunk, payload, false), payload.data());
+  }
+  for (std::uint64_t i = 0; i < 4; ++i) {
+    r.send(read_frame(r.device_seg, 1000 + i, i * chunk, chunk, true));
+  }
+  std::atomic<bool> closed{false};
+  asio::post(r.server->get_executor(), [s = r.server, &closed] {
+    s->close();
+    closed = true;
+  });
+  CHECK(r.wait_for([&] { return closed && r.host.pins == 0; }));
+  // Every chunk is back in the pool.
+  std::atomic<std::size_t> got{0};
+  std::vector<std::byte*> chunks(r.staging->chunks_per_device());
+  for (std::size_t i = 0; i < chunks.size(); ++i) {
+    r.staging->acquire(0, r.io.get_executor(), [&, i](std::byte* c) {
+      chunks[i] = c;
+      ++got;
+    });
+  }
+  CHECK(r.wait_for([&] { return got == chunks.size(); }));
+  for (auto* c : chunks) {
+    CHECK(c != nullptr);
+    r.staging->release(0, c);
+  }
+}
