@@ -61,6 +61,9 @@ kvlink::config all_changed() {
   c.rdma.qps_per_endpoint = 4;
   c.rdma.max_wr = 1024;
   c.shm.lanes = 5;
+  c.device.runtime = "emulated";
+  c.device.staging_chunk = 4 << 20;
+  c.device.staging_bytes = 64 << 20;
   c.name = "decode-3";
   c.metadata.url = "etcd://10.0.0.1:2379,10.0.0.2:2379";
   c.metadata.prefix = "cluster-a/engines/";
@@ -82,7 +85,7 @@ TEST_CASE("config table has one consistent row per config field") {
   const auto table = kvlink::config_table();
   const json j = kvlink::to_json(kvlink::config{});
   CHECK(j.size() == table.size());
-  CHECK(table.size() == 43);  // settings of kvlink::config and its sections
+  CHECK(table.size() == 46);  // settings of kvlink::config and its sections
 
   std::set<std::string_view> names, envs;
   for (const auto& s : table) {
@@ -363,6 +366,11 @@ TEST_CASE("validate rejects what the engines cannot use") {
     rejects([bad](kvlink::config& c) { c.transports = bad; }, "transports");
   }
   rejects([](kvlink::config& c) { c.rdma.qps_per_endpoint = 0; }, "rdma_qps_per_endpoint");
+  rejects([](kvlink::config& c) { c.device.runtime = ""; }, "device");
+  rejects([](kvlink::config& c) { c.device.runtime = "cu da"; }, "device");
+  rejects([](kvlink::config& c) { c.device.staging_chunk = 100; }, "staging_chunk");
+  rejects([](kvlink::config& c) { c.device.staging_chunk = 64 << 10; }, "staging_chunk");
+  rejects([](kvlink::config& c) { c.device.staging_bytes = 1024; }, "staging_bytes");
   rejects([](kvlink::config& c) { c.rdma.max_wr = 0; }, "rdma_max_wr");
   for (const char* bad : {"", "localhost", ":80", "host:", "host:65536", "host:8o", "::1:80",
                           "[::1]", "[]:80", "[::1:80", "host :80"}) {
