@@ -583,7 +583,8 @@ class object_table {
   /// objects a second chance (clears the bit) and evicting the others that
   /// may go until `want` bytes are freed. An object may go when it is
   /// complete, not hard-pinned, its lease has run out, it is not soft-pinned
-  /// (unless `soft_pinned_too`), and no object names it as parent. Holds the
+  /// (unless `soft_pinned_too`), and no object names it as parent. With
+  /// `want` 0 it only moves the hand, clearing reference bits. Holds the
   /// shard's lock for this step only.
   evict_step evict_from_shard(std::size_t s, master_time now, std::size_t bucket_budget,
                               std::uint64_t want, bool soft_pinned_too) {
@@ -600,7 +601,7 @@ class object_table {
     victims.clear();
     std::uint64_t planned = 0;
     std::size_t b = sh.hand % nb;
-    for (; r.visited < std::min(bucket_budget, nb) && planned < want; ++r.visited) {
+    for (; r.visited < std::min(bucket_budget, nb) && (want == 0 || planned < want); ++r.visited) {
       for (auto it = sh.objects.begin(b); it != sh.objects.end(b); ++it) {
         detail::object_meta& o = **it;
         if (o.is(detail::object_meta::referenced)) {
@@ -611,6 +612,7 @@ class object_table {
             o.time_ms > t || (!soft_pinned_too && o.soft_pin_ms > t) || has_children(o)) {
           continue;
         }
+        if (want == 0) continue;
         victims.push_back(&o);
         planned += segments_.rounded(o.size) * o.count;
         if (planned >= want) break;
