@@ -21,6 +21,7 @@
 #include <string>
 #include <string_view>
 #include <system_error>
+#include <vector>
 
 namespace kvlink::store {
 
@@ -147,5 +148,13 @@ inline constexpr std::array master_settings{
                                setting_kind::count, &master_config::placement_seed,
                                "seed of random placement"},
 };
+
+/// master_settings lifted for the settings machinery (apply_json,
+/// apply_env, describe_settings), component "store".
+inline std::vector<basic_setting<master_config>> master_setting_table() {
+  std::vector<basic_setting<master_config>> out;
+  lift_settings(out, "store", master_settings);
+  return out;
+}
 
 }  // namespace kvlink::store

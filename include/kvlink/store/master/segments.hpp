@@ -34,6 +34,7 @@
 #include <string_view>
 #include <system_error>
 #include <unordered_map>
+#include <utility>
 #include <vector>
 
 namespace kvlink::store {
@@ -61,8 +62,8 @@ struct segment_stats {
 /// Where put_start may place replicas.
 struct placement_request {
   std::size_t replicas = 1;
-  std::span<const segment_id> preferred;  ///< tried first, in this order
-  std::string_view host;                  ///< then this host's segments ("" none)
+  std::span<const segment_id> preferred{};  ///< tried first, in this order
+  std::string_view host{};                  ///< then this host's segments ("" none)
 };
 
 /// One range allocate() handed out.
@@ -195,9 +196,14 @@ class segment_table {
       const std::size_t start = static_cast<std::size_t>(next_random() % order.size());
       std::rotate(order.begin(), order.begin() + static_cast<std::ptrdiff_t>(start), order.end());
     } else {
-      std::stable_sort(order.begin(), order.end(), [this](std::uint32_t a, std::uint32_t b) {
-        return slots_[a]->alloc_free() > slots_[b]->alloc_free();
-      });
+      // Sorted on a snapshot: free bytes change under other threads' feet,
+      // and a comparator must not.
+      thread_local std::vector<std::pair<std::uint64_t, std::uint32_t>> by_free;
+      by_free.clear();
+      for (std::uint32_t s : order) by_free.emplace_back(slots_[s]->alloc_free(), s);
+      std::stable_sort(by_free.begin(), by_free.end(),
+                       [](const auto& a, const auto& b) { return a.first > b.first; });
+      for (std::size_t i = 0; i < order.size(); ++i) order[i] = by_free[i].second;
     }
     if (!req.host.empty()) {
       const std::size_t h = std::hash<std::string_view>{}(req.host);
