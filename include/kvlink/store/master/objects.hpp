@@ -20,6 +20,8 @@
 //     t.put_end("key", 1, now);
 //   }
 //
+// (The snippet is examples/store_master.cpp.)
+//
 // Memory: one heap block per object holding its metadata and its key (80
 // bytes plus the key for one replica; a second replica adds 16 bytes on the
 // heap), one node of the shard's hash set, no std::string, no per-object

@@ -42,9 +42,9 @@ namespace kvlink::store {
 /// What a client mounts.
 struct segment_desc {
   std::uint64_t client = 0;  ///< the owner's client id (not 0)
-  std::string name;          ///< unique among the client's segments, e.g. its engine segment
+  std::string name{};        ///< unique among the client's segments, e.g. its engine segment
   std::uint64_t size = 0;    ///< bytes (rounded down to the master's alignment)
-  std::string host;          ///< the host the owner runs on, for same-host placement ("" none)
+  std::string host{};        ///< the host the owner runs on, for same-host placement ("" none)
 };
 
 /// One segment as stats() reports it.
