@@ -4,6 +4,8 @@
 //  - put: put_start + put_end of a fresh 4 KiB object, one replica;
 //  - get: get (lookup + read lease) of a random one of 10^6 objects;
 //  - exists_batch: batch exists of 128 random keys of 10^6 (per key);
+//  - exists_latency: p50/p99/max of one exists on a 95 % full pool of 10^6,
+//    alone and while a second thread fills the pool and evicts back to back;
 //  - memory: heap and RSS per key after inserting 10^6 (or 10^7) objects of
 //    one replica, printed as bytes_per_key (heap: malloc'd bytes, rss:
 //    resident set growth); 10^7 with KVLINK_STORE_BENCH_10M=1.
@@ -14,8 +16,12 @@
 // their bytes), so the pool is 16 segments of 1 TiB.
 //
 //   <build>/bench/kvlink_store_master_bench --benchmark_min_time=0.5
+#include <kvlink/store/master/eviction.hpp>
 #include <kvlink/store/master/objects.hpp>
 
+#include <algorithm>
+#include <atomic>
+#include <chrono>
 #include <cstdint>
 #include <cstdio>
 #include <cstdlib>
@@ -23,6 +29,7 @@
 #include <random>
 #include <string>
 #include <string_view>
+#include <thread>
 #include <vector>
 
 #include <benchmark/benchmark.h>
@@ -142,6 +149,68 @@ void bm_exists_batch(benchmark::State& state) {
   state.SetItemsProcessed(state.iterations() * 128);
 }
 BENCHMARK(bm_exists_batch);
+
+// exists latency (p50, p99, max) on 10^6 objects of 4 KiB in a pool 95 %
+// full, alone (arg 0) or while another thread keeps filling the pool and
+// running the evictor (arg 1): the goal is a p99 no worse than 2x.
+void bm_exists_latency(benchmark::State& state) {
+  const bool evicting = state.range(0) != 0;
+  const std::size_t n = 1'000'000;
+  auto t = std::make_unique<st::object_table>();
+  for (int s = 0; s < 16; ++s) {
+    kvlink::segment_id id;
+    (void)t->mount_segment(
+        {static_cast<std::uint64_t>(s + 1), "seg", std::uint64_t{65536} * 4096, ""}, id);
+  }
+  const auto keys = make_keys(n, 16);
+  fill(*t, keys);
+  st::evictor ev{*t};
+  std::atomic<bool> stop{false};
+  std::atomic<std::uint64_t> evicted{0};
+  std::thread churn;
+  if (evicting) {
+    churn = std::thread([&] {
+      st::replica_list w;
+      std::uint64_t next = n;
+      std::int64_t now = 1;
+      while (!stop.load(std::memory_order_relaxed)) {
+        // Fill until the pool says no, then evict: eviction runs back to back.
+        for (int i = 0; i < 4096; ++i) {
+          const std::string k = make_key(next++, 16);
+          if (t->put_start(k, 4096, 1, {}, at(now), w)) break;
+          (void)t->put_end(k, 1, at(now));
+        }
+        evicted.fetch_add(ev.run_once(at(now)).evicted, std::memory_order_relaxed);
+        now += 1;
+      }
+    });
+  }
+  std::mt19937_64 rng{42};
+  std::vector<std::int64_t> lat;
+  lat.reserve(1 << 20);
+  for (auto _ : state) {
+    const std::string& k = keys[rng() % n];
+    const auto a = std::chrono::steady_clock::now();
+    const auto ec = t->exists(k, at(1));
+    const auto b = std::chrono::steady_clock::now();
+    benchmark::DoNotOptimize(ec);
+    lat.push_back(std::chrono::duration_cast<std::chrono::nanoseconds>(b - a).count());
+  }
+  stop = true;
+  if (churn.joinable()) churn.join();
+  std::sort(lat.begin(), lat.end());
+  auto pct = [&](double p) {
+    return static_cast<double>(
+        lat[static_cast<std::size_t>(p * static_cast<double>(lat.size() - 1))]);
+  };
+  state.counters["p50_ns"] = pct(0.50);
+  state.counters["p99_ns"] = pct(0.99);
+  state.counters["p999_ns"] = pct(0.999);
+  state.counters["max_ns"] = static_cast<double>(lat.back());
+  state.counters["evicted"] = static_cast<double>(evicted.load());
+  state.SetItemsProcessed(state.iterations());
+}
+BENCHMARK(bm_exists_latency)->Arg(0)->Arg(1)->Iterations(500'000);
 
 std::uint64_t rss_bytes() {
   long pages = 0;
