@@ -22,9 +22,9 @@
 //
 // (The snippet is examples/store_master.cpp.)
 //
-// Memory: one heap block per object holding its metadata and its key (80
-// bytes plus the key for one replica; a second replica adds 16 bytes on the
-// heap), one node of the shard's hash set, no std::string, no per-object
+// Memory: one heap block per object holding its metadata, its replicas and
+// its key (72 bytes plus the key for one replica, 16 more per further
+// replica), one node of the shard's hash set, no std::string, no per-object
 // list links: eviction is CLOCK over the hash set's buckets, with a
 // reference bit that get and exists set.
 //
@@ -160,7 +160,9 @@ struct replica_loc {
   std::uint64_t offset = 0;
 };
 
-// One object: this struct, then its key's bytes, in one heap block.
+// One object in one heap block: this struct, its replicas after the first
+// (`capacity` - 1 of them, fixed at put_start), then its key's bytes. No
+// std::string, no second allocation.
 struct object_meta {
   static constexpr std::uint8_t complete = 1;
   static constexpr std::uint8_t hard_pin = 2;
@@ -173,25 +175,41 @@ struct object_meta {
   std::uint64_t parent_hash = 0;
   std::uint64_t writer = 0;
   replica_loc first{};
-  std::unique_ptr<replica_loc[]> rest;  // replicas 1..count-1
   std::uint16_t key_len = 0;
-  std::uint8_t count = 0;
+  std::uint8_t capacity = 1;  // replicas the block has room for
+  std::uint8_t count = 0;     // replicas now (unmounts drop some)
   std::uint8_t flags = 0;
 
   std::string_view key() const noexcept {
-    return {reinterpret_cast<const char*>(this + 1), key_len};
+    return {reinterpret_cast<const char*>(this) + sizeof(object_meta) +
+                (capacity - 1u) * sizeof(replica_loc),
+            key_len};
   }
   bool is(std::uint8_t f) const noexcept { return (flags & f) != 0; }
   void set(std::uint8_t f, bool on) noexcept {
     flags = static_cast<std::uint8_t>(on ? (flags | f) : (flags & ~f));
   }
-  replica_loc& replica(std::size_t i) noexcept { return i == 0 ? first : rest[i - 1]; }
-  const replica_loc& replica(std::size_t i) const noexcept { return i == 0 ? first : rest[i - 1]; }
+  replica_loc& replica(std::size_t i) noexcept { return i == 0 ? first : extra()[i - 1]; }
+  const replica_loc& replica(std::size_t i) const noexcept {
+    return i == 0 ? first : extra()[i - 1];
+  }
   void drop_replica(std::size_t i) noexcept {
     replica(i) = replica(count - 1u);
     --count;
   }
+
+ private:
+  replica_loc* extra() noexcept {
+    // sizeof(object_meta) is a multiple of alignof(replica_loc): aligned.
+    return static_cast<replica_loc*>(
+        static_cast<void*>(reinterpret_cast<char*>(this) + sizeof(object_meta)));
+  }
+  const replica_loc* extra() const noexcept {
+    return static_cast<const replica_loc*>(
+        static_cast<const void*>(reinterpret_cast<const char*>(this) + sizeof(object_meta)));
+  }
 };
+static_assert(sizeof(object_meta) % alignof(replica_loc) == 0);
 
 struct object_deleter {
   void operator()(object_meta* o) const noexcept {
@@ -201,12 +219,18 @@ struct object_deleter {
 };
 using object_ptr = std::unique_ptr<object_meta, object_deleter>;
 
-inline object_ptr make_object(std::string_view key) {
-  // The struct and the key in one block: no std::string, one allocation.
-  void* mem = ::operator new(sizeof(object_meta) + key.size());
+// `replicas` >= 1.
+inline object_ptr make_object(std::string_view key, std::size_t replicas) {
+  const std::size_t extra = (replicas - 1) * sizeof(replica_loc);
+  void* mem = ::operator new(sizeof(object_meta) + extra + key.size());
   object_ptr o{::new (mem) object_meta{}};
+  char* tail = static_cast<char*>(mem) + sizeof(object_meta);
+  for (std::size_t i = 0; i + 1 < replicas; ++i) {
+    ::new (static_cast<void*>(tail + i * sizeof(replica_loc))) replica_loc{};
+  }
+  o->capacity = static_cast<std::uint8_t>(replicas);
   o->key_len = static_cast<std::uint16_t>(key.size());
-  std::memcpy(static_cast<char*>(mem) + sizeof(object_meta), key.data(), key.size());
+  std::memcpy(tail + extra, key.data(), key.size());
   return o;
 }
 
@@ -343,7 +367,7 @@ class object_table {
       eviction_wanted_.store(true, std::memory_order_relaxed);
       return store_errc::no_space;
     }
-    detail::object_ptr o = detail::make_object(key);
+    detail::object_ptr o = detail::make_object(key, k);
     o->size = size;
     o->time_ms = t;
     o->writer = writer;
@@ -354,7 +378,6 @@ class object_table {
       o->soft_pin_ms = t + std::max<std::int64_t>(ttl.count(), 1);
     }
     o->count = static_cast<std::uint8_t>(k);
-    if (k > 1) o->rest = std::make_unique<detail::replica_loc[]>(k - 1);
     for (std::size_t i = 0; i < k; ++i) {
       o->replica(i) = {got[i].segment.value(), got[i].offset};
       out.push_back({got[i].segment, got[i].offset, size, replica_status::processing});
