@@ -24,8 +24,9 @@
 //
 // Memory: one heap block per object holding its metadata, its replicas and
 // its key (72 bytes plus the key for one replica, 16 more per further
-// replica), one node of the shard's hash set, no std::string, no per-object
-// list links: eviction is CLOCK over the hash set's buckets, with a
+// replica), chained in its shard's hash table (the link is in the block:
+// no node), no std::string, no per-object list links: eviction is CLOCK
+// over the hash table's buckets, with a
 // reference bit that get and exists set.
 //
 // Chains: a put may name its parent key (the prefix this block extends). A
@@ -175,6 +176,7 @@ struct object_meta {
   std::uint64_t parent_hash = 0;
   std::uint64_t writer = 0;
   replica_loc first{};
+  object_meta* next = nullptr;  // the shard index's bucket chain
   std::uint16_t key_len = 0;
   std::uint8_t capacity = 1;  // replicas the block has room for
   std::uint8_t count = 0;     // replicas now (unmounts drop some)
@@ -238,18 +240,99 @@ inline std::uint64_t hash_key(std::string_view key) noexcept {
   return std::hash<std::string_view>{}(key);
 }
 
-struct key_hash {
-  using is_transparent = void;
-  std::size_t operator()(std::string_view k) const noexcept { return hash_key(k); }
-  std::size_t operator()(const object_ptr& o) const noexcept { return hash_key(o->key()); }
-};
-struct key_eq {
-  using is_transparent = void;
-  bool operator()(const object_ptr& a, const object_ptr& b) const noexcept {
-    return a->key() == b->key();
+// The objects of one shard: a chained hash table whose links live in the
+// objects themselves (no node per object), power-of-two buckets, at most
+// one object per bucket on average. Owns its objects. Not thread-safe.
+class object_index {
+ public:
+  object_index() : buckets_(16, nullptr) {}
+  object_index(const object_index&) = delete;
+  object_index& operator=(const object_index&) = delete;
+  ~object_index() {
+    for (object_meta* head : buckets_) {
+      while (head != nullptr) {
+        object_ptr doomed{head};
+        head = head->next;
+      }
+    }
   }
-  bool operator()(std::string_view a, const object_ptr& b) const noexcept { return a == b->key(); }
-  bool operator()(const object_ptr& a, std::string_view b) const noexcept { return a->key() == b; }
+
+  std::size_t size() const noexcept { return size_; }
+  bool empty() const noexcept { return size_ == 0; }
+  std::size_t bucket_count() const noexcept { return buckets_.size(); }
+
+  object_meta* find(std::string_view key) const noexcept {
+    for (object_meta* o = buckets_[bucket_of(hash_key(key))]; o != nullptr; o = o->next) {
+      if (o->key() == key) return o;
+    }
+    return nullptr;
+  }
+
+  /// Adds an object whose key is not present.
+  void insert(object_ptr o) {
+    if (size_ + 1 > buckets_.size()) rehash(buckets_.size() * 2);
+    object_meta*& head = buckets_[bucket_of(hash_key(o->key()))];
+    o->next = head;
+    head = o.release();
+    ++size_;
+  }
+
+  /// Unlinks and deletes an object of this index.
+  void erase(object_meta* o) noexcept {
+    object_meta** p = &buckets_[bucket_of(hash_key(o->key()))];
+    while (*p != nullptr && *p != o) p = &(*p)->next;
+    if (*p == nullptr) return;
+    *p = o->next;
+    --size_;
+    object_ptr doomed{o};
+  }
+
+  /// Deletes every object for which pred(object&) is true.
+  template <class Pred>
+  void erase_if(Pred&& pred) {
+    for (object_meta*& head : buckets_) {
+      object_meta** p = &head;
+      while (*p != nullptr) {
+        object_meta* o = *p;
+        if (pred(*o)) {
+          *p = o->next;
+          --size_;
+          object_ptr doomed{o};
+        } else {
+          p = &o->next;
+        }
+      }
+    }
+  }
+
+  /// Calls f(object&) for the objects of bucket `b` while it returns true.
+  template <class F>
+  void for_each_in_bucket(std::size_t b, F&& f) {
+    for (object_meta* o = buckets_[b]; o != nullptr; o = o->next) {
+      if (!f(*o)) return;
+    }
+  }
+
+ private:
+  std::size_t bucket_of(std::uint64_t h) const noexcept {
+    return static_cast<std::size_t>(h) & (buckets_.size() - 1);
+  }
+  void rehash(std::size_t n) {
+    std::vector<object_meta*> fresh(n, nullptr);
+    for (object_meta* head : buckets_) {
+      while (head != nullptr) {
+        object_meta* o = head;
+        head = head->next;
+        object_meta*& dst = fresh[static_cast<std::size_t>(hash_key(o->key())) & (n - 1)];
+        o->next = dst;
+        dst = o;
+      }
+    }
+    buckets_.swap(fresh);
+  }
+
+  std::vector<object_meta*> buckets_;  // a power of two long
+  std::size_t size_ = 0;
 };
 
 }  // namespace detail
@@ -285,8 +368,7 @@ class object_table {
     for (std::size_t s = 0; s < shard_count; ++s) {
       shard& sh = shards_[s];
       std::lock_guard lock{sh.mu};
-      for (auto it = sh.objects.begin(); it != sh.objects.end();) {
-        detail::object_meta& o = **it;
+      sh.objects.erase_if([&](detail::object_meta& o) {
         for (std::size_t i = 0; i < o.count;) {
           if (o.replica(i).segment == id.value()) {
             o.drop_replica(i);
@@ -295,13 +377,11 @@ class object_table {
             ++i;
           }
         }
-        if (o.count == 0) {
-          ++r.objects_lost;
-          it = erase(sh, it);
-        } else {
-          ++it;
-        }
-      }
+        if (o.count != 0) return false;
+        ++r.objects_lost;
+        forget(sh, o);
+        return true;
+      });
     }
     {
       std::lock_guard lock{discard_mu_};
@@ -354,8 +434,8 @@ class object_table {
     const std::uint64_t h = detail::hash_key(key);
     shard& sh = shard_of(h);
     std::lock_guard lock{sh.mu};
-    if (auto it = sh.objects.find(key); it != sh.objects.end()) {
-      const detail::object_meta& o = **it;
+    if (detail::object_meta* it = sh.objects.find(key); it != nullptr) {
+      const detail::object_meta& o = *it;
       if (o.is(detail::object_meta::complete)) return store_errc::object_already_exists;
       if (t - o.time_ms < cfg_.put_discard_timeout.count()) return store_errc::object_in_progress;
       discard(sh, it);  // a stale put: this one preempts it
@@ -403,9 +483,9 @@ class object_table {
     if (auto ec = check_key(key)) return ec;
     shard& sh = shard_of(detail::hash_key(key));
     std::lock_guard lock{sh.mu};
-    auto it = sh.objects.find(key);
-    if (it == sh.objects.end()) return store_errc::object_not_found;
-    detail::object_meta& o = **it;
+    detail::object_meta* it = sh.objects.find(key);
+    if (it == nullptr) return store_errc::object_not_found;
+    detail::object_meta& o = *it;
     if (o.writer != writer) return store_errc::illegal_client;
     if (o.is(detail::object_meta::complete)) return {};
     o.set(detail::object_meta::complete, true);
@@ -423,9 +503,9 @@ class object_table {
     if (auto ec = check_key(key)) return ec;
     shard& sh = shard_of(detail::hash_key(key));
     std::lock_guard lock{sh.mu};
-    auto it = sh.objects.find(key);
-    if (it == sh.objects.end()) return store_errc::object_not_found;
-    const detail::object_meta& o = **it;
+    detail::object_meta* it = sh.objects.find(key);
+    if (it == nullptr) return store_errc::object_not_found;
+    const detail::object_meta& o = *it;
     if (o.writer != writer) return store_errc::illegal_client;
     if (o.is(detail::object_meta::complete)) return store_errc::object_already_exists;
     free_replicas(o);
@@ -443,9 +523,9 @@ class object_table {
     if (auto ec = check_key(key)) return ec;
     shard& sh = shard_of(detail::hash_key(key));
     std::lock_guard lock{sh.mu};
-    auto it = sh.objects.find(key);
-    if (it == sh.objects.end()) return store_errc::object_not_found;
-    detail::object_meta& o = **it;
+    detail::object_meta* it = sh.objects.find(key);
+    if (it == nullptr) return store_errc::object_not_found;
+    detail::object_meta& o = *it;
     if (!o.is(detail::object_meta::complete)) return store_errc::object_in_progress;
     grant_lease(o, now);
     out.size = o.size;
@@ -464,9 +544,9 @@ class object_table {
     if (auto ec = check_key(key)) return ec;
     shard& sh = shard_of(detail::hash_key(key));
     std::lock_guard lock{sh.mu};
-    auto it = sh.objects.find(key);
-    if (it == sh.objects.end()) return store_errc::object_not_found;
-    detail::object_meta& o = **it;
+    detail::object_meta* it = sh.objects.find(key);
+    if (it == nullptr) return store_errc::object_not_found;
+    detail::object_meta& o = *it;
     if (!o.is(detail::object_meta::complete)) return store_errc::object_in_progress;
     if (cfg_.lease_on_exists) {
       grant_lease(o, now);
@@ -505,9 +585,9 @@ class object_table {
     if (auto ec = check_key(key)) return ec;
     shard& sh = shard_of(detail::hash_key(key));
     std::lock_guard lock{sh.mu};
-    auto it = sh.objects.find(key);
-    if (it == sh.objects.end()) return store_errc::object_not_found;
-    const detail::object_meta& o = **it;
+    detail::object_meta* it = sh.objects.find(key);
+    if (it == nullptr) return store_errc::object_not_found;
+    const detail::object_meta& o = *it;
     if (!o.is(detail::object_meta::complete)) {
       if (!force) return store_errc::object_in_progress;
       discard(sh, it);
@@ -528,17 +608,16 @@ class object_table {
     for (std::size_t s = 0; s < shard_count; ++s) {
       shard& sh = shards_[s];
       std::lock_guard lock{sh.mu};
-      for (auto it = sh.objects.begin(); it != sh.objects.end();) {
-        const detail::object_meta& o = **it;
+      sh.objects.erase_if([&](detail::object_meta& o) {
         if (!o.is(detail::object_meta::complete) ||
             (!force && (o.is(detail::object_meta::hard_pin) || o.time_ms > t))) {
-          ++it;
-          continue;
+          return false;
         }
         free_replicas(o);
-        it = erase(sh, it);
+        forget(sh, o);
         ++n;
-      }
+        return true;
+      });
     }
     return n;
   }
@@ -559,7 +638,7 @@ class object_table {
         if (t - o->time_ms >= cfg_.put_discard_timeout.count()) stale.push_back(o);
       }
       for (detail::object_meta* o : stale) {
-        discard(sh, sh.objects.find(o->key()));
+        discard(sh, o);
         ++r.discarded;
       }
     }
@@ -627,21 +706,20 @@ class object_table {
     std::uint64_t planned = 0;
     std::size_t b = sh.hand % nb;
     for (; r.visited < std::min(bucket_budget, nb) && (want == 0 || planned < want); ++r.visited) {
-      for (auto it = sh.objects.begin(b); it != sh.objects.end(b); ++it) {
-        detail::object_meta& o = **it;
+      sh.objects.for_each_in_bucket(b, [&](detail::object_meta& o) {
         if (o.is(detail::object_meta::referenced)) {
           o.set(detail::object_meta::referenced, false);
-          continue;
+          return true;
         }
         if (!o.is(detail::object_meta::complete) || o.is(detail::object_meta::hard_pin) ||
             o.time_ms > t || (!soft_pinned_too && o.soft_pin_ms > t) || has_children(o)) {
-          continue;
+          return true;
         }
-        if (want == 0) continue;
+        if (want == 0) return true;
         victims.push_back(&o);
         planned += segments_.rounded(o.size) * o.count;
-        if (planned >= want) break;
-      }
+        return planned < want;
+      });
       b = (b + 1) % nb;
     }
     sh.hand = b;
@@ -649,7 +727,7 @@ class object_table {
       r.freed += segments_.rounded(o->size) * o->count;
       ++r.evicted;
       free_replicas(*o);
-      erase(sh, sh.objects.find(o->key()));
+      erase(sh, o);
     }
     return r;
   }
@@ -665,11 +743,9 @@ class object_table {
   }
 
  private:
-  using object_set = std::unordered_set<detail::object_ptr, detail::key_hash, detail::key_eq>;
-
   struct alignas(64) shard {
     mutable std::mutex mu;
-    object_set objects;                                    // guarded by mu
+    detail::object_index objects;                          // guarded by mu
     std::unordered_set<detail::object_meta*> in_progress;  // guarded by mu
     std::size_t hand = 0;                                  // CLOCK hand, guarded by mu
     // Children per parent key hash, for keys of this shard. A leaf lock:
@@ -736,8 +812,8 @@ class object_table {
 
   // Drops a put in progress whose writer may still be writing: its ranges
   // are kept until put_release_timeout after its start.
-  void discard(shard& sh, object_set::iterator it) {
-    const detail::object_meta& o = **it;
+  void discard(shard& sh, detail::object_meta* it) {
+    const detail::object_meta& o = *it;
     {
       std::lock_guard lock{discard_mu_};
       for (std::size_t i = 0; i < o.count; ++i) {
@@ -749,16 +825,19 @@ class object_table {
     erase(sh, it);
   }
 
-  // Forgets an object (its space is the caller's business).
-  object_set::iterator erase(shard& sh, object_set::iterator it) {
-    const detail::object_meta& o = **it;
+  // The bookkeeping of an object leaving the table (its space is the
+  // caller's business); the index then deletes it.
+  void forget(shard& sh, detail::object_meta& o) {
     if (!o.is(detail::object_meta::complete)) {
-      sh.in_progress.erase(it->get());
+      sh.in_progress.erase(&o);
       in_progress_.fetch_sub(1, std::memory_order_relaxed);
     }
     if (o.is(detail::object_meta::has_parent)) link_parent(o.parent_hash, -1);
     objects_.fetch_sub(1, std::memory_order_relaxed);
-    return sh.objects.erase(it);
+  }
+  void erase(shard& sh, detail::object_meta* o) {
+    forget(sh, *o);
+    sh.objects.erase(o);
   }
 
   const master_config cfg_;
