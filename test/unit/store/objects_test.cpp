@@ -41,7 +41,7 @@ void put(object_table& t, std::string_view key, std::uint64_t size, master_time 
 }  // namespace
 
 TEST_CASE("object_table: the per-object record stays compact") {
-  CHECK(sizeof(kvlink::store::detail::object_meta) <= 72);
+  CHECK(sizeof(kvlink::store::detail::object_meta) <= 64);
 }
 
 TEST_CASE("object_table: segments are mounted and refused as they should") {

@@ -23,7 +23,7 @@
 // (The snippet is examples/store_master.cpp.)
 //
 // Memory: one heap block per object holding its metadata, its replicas and
-// its key (72 bytes plus the key for one replica, 16 more per further
+// its key (64 bytes plus the key for one replica, 16 more per further
 // replica), chained in its shard's hash table (the link is in the block:
 // no node), no std::string, no per-object list links: eviction is CLOCK
 // over the hash table's buckets, with a
@@ -53,6 +53,7 @@
 #include <array>
 #include <atomic>
 #include <chrono>
+#include <climits>
 #include <cstdint>
 #include <cstring>
 #include <functional>
@@ -170,21 +171,37 @@ struct object_meta {
   static constexpr std::uint8_t referenced = 4;  // CLOCK's second chance
   static constexpr std::uint8_t has_parent = 8;
 
+  static constexpr std::int32_t no_soft_pin = INT32_MIN;
+
   std::uint64_t size = 0;
-  std::int64_t time_ms = 0;      // put start while in progress, lease expiry once complete
-  std::int64_t soft_pin_ms = 0;  // soft pin expiry; 0: none
+  std::int64_t time_ms = 0;  // put start while in progress, lease expiry once complete
   std::uint64_t parent_hash = 0;
   std::uint64_t writer = 0;
   replica_loc first{};
-  object_meta* next = nullptr;  // the shard index's bucket chain
+  object_meta* next = nullptr;            // the shard index's bucket chain
+  std::int32_t soft_pin_s = no_soft_pin;  // soft pin expiry, seconds (rounded up)
   std::uint16_t key_len = 0;
-  std::uint8_t capacity = 1;  // replicas the block has room for
-  std::uint8_t count = 0;     // replicas now (unmounts drop some)
+  std::uint8_t counts = 0x10;  // replicas the block has room for << 4 | replicas now
   std::uint8_t flags = 0;
+
+  /// Replicas now (unmounts drop some) and room in the block.
+  std::size_t count() const noexcept { return counts & 15u; }
+  std::size_t capacity() const noexcept { return counts >> 4; }
+  void set_count(std::size_t n) noexcept {
+    counts = static_cast<std::uint8_t>((counts & 0xF0u) | (n & 15u));
+  }
+  void set_soft_pin(std::int64_t until_ms) noexcept {
+    std::int64_t q = until_ms / 1000;
+    if (q * 1000 < until_ms) ++q;
+    soft_pin_s = static_cast<std::int32_t>(std::clamp<std::int64_t>(q, INT32_MIN + 1, INT32_MAX));
+  }
+  bool soft_pinned(std::int64_t now_ms) const noexcept {
+    return soft_pin_s != no_soft_pin && std::int64_t{soft_pin_s} * 1000 > now_ms;
+  }
 
   std::string_view key() const noexcept {
     return {reinterpret_cast<const char*>(this) + sizeof(object_meta) +
-                (capacity - 1u) * sizeof(replica_loc),
+                (capacity() - 1u) * sizeof(replica_loc),
             key_len};
   }
   bool is(std::uint8_t f) const noexcept { return (flags & f) != 0; }
@@ -196,8 +213,8 @@ struct object_meta {
     return i == 0 ? first : extra()[i - 1];
   }
   void drop_replica(std::size_t i) noexcept {
-    replica(i) = replica(count - 1u);
-    --count;
+    replica(i) = replica(count() - 1u);
+    set_count(count() - 1u);
   }
 
  private:
@@ -212,6 +229,7 @@ struct object_meta {
   }
 };
 static_assert(sizeof(object_meta) % alignof(replica_loc) == 0);
+static_assert(sizeof(void*) != 8 || sizeof(object_meta) == 64, "one cache line per record");
 
 struct object_deleter {
   void operator()(object_meta* o) const noexcept {
@@ -230,7 +248,7 @@ inline object_ptr make_object(std::string_view key, std::size_t replicas) {
   for (std::size_t i = 0; i + 1 < replicas; ++i) {
     ::new (static_cast<void*>(tail + i * sizeof(replica_loc))) replica_loc{};
   }
-  o->capacity = static_cast<std::uint8_t>(replicas);
+  o->counts = static_cast<std::uint8_t>((replicas & 15u) << 4);
   o->key_len = static_cast<std::uint16_t>(key.size());
   std::memcpy(tail + extra, key.data(), key.size());
   return o;
@@ -369,7 +387,7 @@ class object_table {
       shard& sh = shards_[s];
       std::lock_guard lock{sh.mu};
       sh.objects.erase_if([&](detail::object_meta& o) {
-        for (std::size_t i = 0; i < o.count;) {
+        for (std::size_t i = 0; i < o.count();) {
           if (o.replica(i).segment == id.value()) {
             o.drop_replica(i);
             ++r.replicas_dropped;
@@ -377,7 +395,7 @@ class object_table {
             ++i;
           }
         }
-        if (o.count != 0) return false;
+        if (o.count() != 0) return false;
         ++r.objects_lost;
         forget(sh, o);
         return true;
@@ -455,9 +473,9 @@ class object_table {
     if (opt.soft_pin) {
       auto ttl = opt.soft_pin_ttl.count() > 0 ? opt.soft_pin_ttl : cfg_.soft_pin_ttl;
       ttl = std::min(ttl, cfg_.max_soft_pin_ttl);
-      o->soft_pin_ms = t + std::max<std::int64_t>(ttl.count(), 1);
+      o->set_soft_pin(t + std::max<std::int64_t>(ttl.count(), 1));
     }
-    o->count = static_cast<std::uint8_t>(k);
+    o->set_count(k);
     for (std::size_t i = 0; i < k; ++i) {
       o->replica(i) = {got[i].segment.value(), got[i].offset};
       out.push_back({got[i].segment, got[i].offset, size, replica_status::processing});
@@ -530,7 +548,7 @@ class object_table {
     grant_lease(o, now);
     out.size = o.size;
     out.lease_until = master_time{std::chrono::milliseconds{o.time_ms}};
-    for (std::size_t i = 0; i < o.count; ++i) {
+    for (std::size_t i = 0; i < o.count(); ++i) {
       out.replicas.push_back({segment_id{o.replica(i).segment}, o.replica(i).offset, o.size,
                               replica_status::complete});
     }
@@ -712,19 +730,19 @@ class object_table {
           return true;
         }
         if (!o.is(detail::object_meta::complete) || o.is(detail::object_meta::hard_pin) ||
-            o.time_ms > t || (!soft_pinned_too && o.soft_pin_ms > t) || has_children(o)) {
+            o.time_ms > t || (!soft_pinned_too && o.soft_pinned(t)) || has_children(o)) {
           return true;
         }
         if (want == 0) return true;
         victims.push_back(&o);
-        planned += segments_.rounded(o.size) * o.count;
+        planned += segments_.rounded(o.size) * o.count();
         return planned < want;
       });
       b = (b + 1) % nb;
     }
     sh.hand = b;
     for (detail::object_meta* o : victims) {
-      r.freed += segments_.rounded(o->size) * o->count;
+      r.freed += segments_.rounded(o->size) * o->count();
       ++r.evicted;
       free_replicas(*o);
       erase(sh, o);
@@ -805,7 +823,7 @@ class object_table {
   }
 
   void free_replicas(const detail::object_meta& o) {
-    for (std::size_t i = 0; i < o.count; ++i) {
+    for (std::size_t i = 0; i < o.count(); ++i) {
       segments_.free(segment_id{o.replica(i).segment}, o.replica(i).offset, o.size);
     }
   }
@@ -816,7 +834,7 @@ class object_table {
     const detail::object_meta& o = *it;
     {
       std::lock_guard lock{discard_mu_};
-      for (std::size_t i = 0; i < o.count; ++i) {
+      for (std::size_t i = 0; i < o.count(); ++i) {
         discarded_.push_back({o.replica(i).segment, o.replica(i).offset, o.size,
                               o.time_ms + cfg_.put_release_timeout.count()});
         reserved_ += segments_.rounded(o.size);
