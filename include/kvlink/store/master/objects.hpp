@@ -20,14 +20,15 @@
 //     t.put_end("key", 1, now);
 //   }
 //
-// (The snippet is examples/store_master.cpp.)
+// (examples/store_master.cpp runs it, with a get and eviction.)
 //
 // Memory: one heap block per object holding its metadata, its replicas and
 // its key (64 bytes plus the key for one replica, 16 more per further
 // replica), chained in its shard's hash table (the link is in the block:
 // no node), no std::string, no per-object list links: eviction is CLOCK
-// over the hash table's buckets, with a
-// reference bit that get and exists set.
+// over the hash table's buckets, with a reference bit that get and exists
+// set. About 136 bytes per key with 50-byte keys, 184 with 98-byte ones
+// (bench/store_master_bench.cpp).
 //
 // Chains: a put may name its parent key (the prefix this block extends). A
 // parent is not evicted while an object naming it exists, so eviction takes
