@@ -1,0 +1,371 @@
+// Tests for include/kvlink/store/master/objects.hpp (and segments.hpp): the
+// master's object table with an injected clock.
+#include <kvlink/store/master/objects.hpp>
+
+#include <chrono>
+#include <cstdint>
+#include <set>
+#include <string>
+#include <string_view>
+#include <vector>
+
+#include <doctest/doctest.h>
+
+using kvlink::segment_id;
+using kvlink::store_errc;
+using namespace kvlink::store;
+using std::chrono::milliseconds;
+
+namespace {
+
+master_time at(std::int64_t ms) { return master_time{milliseconds{ms}}; }
+
+constexpr std::uint64_t kib = 1024;
+
+segment_id mount(object_table& t, std::uint64_t client, std::string name, std::uint64_t size,
+                 std::string host = "") {
+  segment_id id;
+  REQUIRE_FALSE(t.mount_segment({client, std::move(name), size, std::move(host)}, id));
+  REQUIRE(id.valid());
+  return id;
+}
+
+// A put from start to end.
+void put(object_table& t, std::string_view key, std::uint64_t size, master_time now,
+         const put_options& opt = {}, std::uint64_t writer = 7) {
+  replica_list where;
+  REQUIRE_FALSE(t.put_start(key, size, writer, opt, now, where));
+  REQUIRE_FALSE(t.put_end(key, writer, now));
+}
+
+}  // namespace
+
+TEST_CASE("object_table: the per-object record stays compact") {
+  CHECK(sizeof(kvlink::store::detail::object_meta) <= 64);
+}
+
+TEST_CASE("object_table: segments are mounted and refused as they should") {
+  object_table t;
+  segment_id id;
+  CHECK(t.mount_segment({0, "a", 1 << 20, ""}, id) == store_errc::invalid_params);
+  CHECK(t.mount_segment({1, "a", 10, ""}, id) == store_errc::invalid_params);
+  const segment_id a = mount(t, 1, "a", 1 << 20);
+  CHECK(t.mount_segment({1, "a", 1 << 20, ""}, id) == store_errc::segment_already_exists);
+  const segment_id b = mount(t, 2, "a", 1 << 20);  // another client may use the name
+  CHECK(a != b);
+  CHECK(t.stats().capacity == 2u << 20);
+  CHECK(t.stats().segments == 2);
+  CHECK(t.unmount_segment(segment_id{999}) == store_errc::segment_not_found);
+  CHECK_FALSE(t.unmount_segment(a));
+  CHECK(t.unmount_segment(a) == store_errc::segment_not_found);
+  CHECK(t.stats().capacity == 1u << 20);
+  const segment_id c = mount(t, 1, "a", 1 << 20);  // the name is free again; ids are new
+  CHECK(c != a);
+  CHECK(t.unmount_client(1) == 1);
+  CHECK(t.segments().segments_of(2) == std::vector<segment_id>{b});
+}
+
+TEST_CASE("object_table: put_start checks its arguments") {
+  object_table t;
+  replica_list w;
+  CHECK(t.put_start("k", 100, 7, {}, at(0), w) == store_errc::no_space);  // no segment yet
+  mount(t, 1, "s", 64 * kib);
+  CHECK(t.put_start("", 100, 7, {}, at(0), w) == store_errc::invalid_key);
+  CHECK(t.put_start(std::string(4097, 'k'), 100, 7, {}, at(0), w) == store_errc::invalid_key);
+  CHECK(t.put_start("k", 0, 7, {}, at(0), w) == store_errc::invalid_params);
+  CHECK(t.put_start("k", 64 * kib + 1, 7, {}, at(0), w) == store_errc::invalid_params);
+  CHECK(t.put_start("k", 100, 0, {}, at(0), w) == store_errc::invalid_params);
+  CHECK(t.put_start("k", 100, 7, {.replicas = 0}, at(0), w) == store_errc::invalid_params);
+  CHECK(t.put_start("k", 100, 7, {.replicas = 9}, at(0), w) == store_errc::invalid_params);
+  CHECK(t.put_start("k", 100, 7, {.parent = "k"}, at(0), w) == store_errc::invalid_params);
+  CHECK(t.put_start("k", 100, 7, {.parent = std::string(5000, 'p')}, at(0), w) ==
+        store_errc::invalid_key);
+  CHECK(t.stats().objects == 0);
+  CHECK(t.stats().used == 0);
+  // The longest key and the largest object are fine.
+  CHECK_FALSE(t.put_start(std::string(4096, 'k'), 64 * kib, 7, {}, at(0), w));
+  CHECK(w.size() == 1);
+  object_info info;
+  CHECK(t.get("x", at(0), info) == store_errc::object_not_found);
+  CHECK(t.get("", at(0), info) == store_errc::invalid_key);
+}
+
+TEST_CASE("object_table: first writer wins; a put is invisible until it ends") {
+  object_table t;
+  const segment_id s = mount(t, 1, "s", 1 << 20);
+  replica_list w;
+  REQUIRE_FALSE(t.put_start("k", 1000, 7, {}, at(0), w));
+  REQUIRE(w.size() == 1);
+  CHECK(w[0].segment == s);
+  CHECK(w[0].length == 1000);
+  CHECK(w[0].status == replica_status::processing);
+  CHECK(t.stats().used == 1024);  // rounded to the 64-byte alignment
+  CHECK(t.stats().in_progress == 1);
+  replica_list w2;
+  CHECK(t.put_start("k", 1000, 8, {}, at(10), w2) == store_errc::object_in_progress);
+  CHECK(w2.empty());
+  object_info info;
+  CHECK(t.get("k", at(10), info) == store_errc::object_in_progress);
+  CHECK(t.exists("k", at(10)) == store_errc::object_in_progress);
+  CHECK(t.put_end("k", 8, at(20)) == store_errc::illegal_client);
+  CHECK(t.put_revoke("k", 8, at(20)) == store_errc::illegal_client);
+  CHECK(t.put_end("nope", 7, at(20)) == store_errc::object_not_found);
+  REQUIRE_FALSE(t.put_end("k", 7, at(20)));
+  CHECK_FALSE(t.put_end("k", 7, at(21)));  // ending twice is harmless
+  CHECK(t.stats().in_progress == 0);
+  CHECK(t.put_start("k", 1000, 8, {}, at(30), w2) == store_errc::object_already_exists);
+  CHECK(t.put_start("k", 1000, 7, {}, at(30), w2) == store_errc::object_already_exists);
+  CHECK(t.put_revoke("k", 7, at(30)) == store_errc::object_already_exists);
+  REQUIRE_FALSE(t.get("k", at(40), info));
+  CHECK(info.size == 1000);
+  CHECK(info.lease_until == at(40 + 10'000));
+  REQUIRE(info.replicas.size() == 1);
+  CHECK(info.replicas[0].segment == w[0].segment);
+  CHECK(info.replicas[0].offset == w[0].offset);
+  CHECK(info.replicas[0].status == replica_status::complete);
+  CHECK_FALSE(t.exists("k", at(40)));
+  CHECK(t.stats().objects == 1);
+}
+
+TEST_CASE("object_table: put_revoke frees the space at once") {
+  object_table t;
+  mount(t, 1, "s", 4 * kib);
+  replica_list w;
+  REQUIRE_FALSE(t.put_start("a", 4 * kib, 7, {}, at(0), w));
+  CHECK(t.put_start("b", 1, 7, {}, at(0), w) == store_errc::no_space);
+  REQUIRE_FALSE(t.put_revoke("a", 7, at(1)));
+  CHECK(t.stats().used == 0);
+  CHECK(t.stats().objects == 0);
+  CHECK(t.put_revoke("a", 7, at(1)) == store_errc::object_not_found);
+  CHECK_FALSE(t.put_start("b", 4 * kib, 7, {}, at(2), w));
+}
+
+TEST_CASE("object_table: leases hold off removal until they run out") {
+  object_table t;
+  mount(t, 1, "s", 1 << 20);
+  put(t, "k", 100, at(0));
+  CHECK_FALSE(t.remove("k", at(1)));  // no read yet: no lease
+  put(t, "k", 100, at(2));
+  object_info info;
+  REQUIRE_FALSE(t.get("k", at(1000), info));
+  CHECK(t.remove("k", at(5000)) == store_errc::object_has_lease);
+  REQUIRE_FALSE(t.get("k", at(6000), info));  // extends the lease
+  CHECK(info.lease_until == at(16'000));
+  REQUIRE_FALSE(t.get("k", at(100), info));  // never shortens it
+  CHECK(info.lease_until == at(16'000));
+  CHECK(t.remove("k", at(15'999)) == store_errc::object_has_lease);
+  CHECK_FALSE(t.remove("k", at(16'000)));
+  CHECK(t.remove("k", at(16'000)) == store_errc::object_not_found);
+  // Forced, it goes at once.
+  put(t, "k", 100, at(20'000));
+  REQUIRE_FALSE(t.get("k", at(20'000), info));
+  CHECK_FALSE(t.remove("k", at(20'001), true));
+  CHECK(t.stats().used == 0);
+}
+
+TEST_CASE("object_table: exists grants a lease when configured to") {
+  master_config with;
+  master_config without;
+  without.lease_on_exists = false;
+  for (const bool lease : {true, false}) {
+    object_table t{lease ? with : without};
+    mount(t, 1, "s", 1 << 20);
+    put(t, "k", 100, at(0));
+    CHECK_FALSE(t.exists("k", at(10)));
+    CHECK((t.remove("k", at(20)) == store_errc::object_has_lease) == lease);
+  }
+}
+
+TEST_CASE("object_table: batch exists gives per-key results in input order") {
+  object_table t;
+  mount(t, 1, "s", 1 << 20);
+  put(t, "a", 100, at(0));
+  replica_list w;
+  REQUIRE_FALSE(t.put_start("p", 100, 7, {}, at(0), w));
+  const std::vector<std::string_view> keys{"a", "missing", "", "p", "a"};
+  std::vector<std::int32_t> out(keys.size(), 99);
+  t.exists(keys, at(1), out);
+  CHECK(out == std::vector<std::int32_t>{1, 0, -400, 0, 1});
+}
+
+TEST_CASE("object_table: pins") {
+  object_table t;
+  mount(t, 1, "s", 1 << 20);
+  put(t, "h", 100, at(0), {.hard_pin = true});
+  CHECK(t.remove("h", at(1)) == store_errc::object_hard_pinned);
+  CHECK(kvlink::mooncake_code(store_errc::object_hard_pinned) == -706);
+  CHECK(t.remove_all(at(1)) == 0);
+  CHECK_FALSE(t.remove("h", at(1), true));
+  // A soft pin does not stop removal (only eviction).
+  put(t, "s", 100, at(0), {.soft_pin = true});
+  CHECK_FALSE(t.remove("s", at(1)));
+}
+
+TEST_CASE("object_table: remove and remove_all") {
+  object_table t;
+  mount(t, 1, "s", 1 << 20);
+  for (int i = 0; i < 10; ++i) put(t, "k" + std::to_string(i), 100, at(0));
+  replica_list w;
+  REQUIRE_FALSE(t.put_start("inprog", 100, 7, {}, at(0), w));
+  object_info info;
+  REQUIRE_FALSE(t.get("k0", at(0), info));
+  CHECK(t.remove("inprog", at(1)) == store_errc::object_in_progress);
+  CHECK(t.remove("", at(1)) == store_errc::invalid_key);
+  CHECK(t.remove_all(at(1)) == 9);  // k0 is leased, inprog in progress
+  CHECK(t.stats().objects == 2);
+  CHECK(t.remove_all(at(1), true) == 1);  // forced: the lease too, never a put in progress
+  CHECK(t.stats().objects == 1);
+  // A forced remove of a put in progress discards it: its space waits.
+  CHECK_FALSE(t.remove("inprog", at(2), true));
+  CHECK(t.stats().objects == 0);
+  CHECK(t.stats().used == 128);
+  CHECK(t.stats().reserved == 128);
+  CHECK(t.put_end("inprog", 7, at(3)) == store_errc::object_not_found);
+  CHECK(t.reclaim(at(599'999)).released == 0);
+  CHECK(t.reclaim(at(600'000)).released == 1);
+  CHECK(t.stats().used == 0);
+  CHECK(t.stats().reserved == 0);
+}
+
+TEST_CASE("object_table: puts that never end are discarded at 30 s, released at 10 min") {
+  object_table t;
+  mount(t, 1, "s", 1 << 20);
+  replica_list w;
+  REQUIRE_FALSE(t.put_start("a", 1000, 7, {}, at(0), w));
+  REQUIRE_FALSE(t.put_start("b", 1000, 7, {}, at(5'000), w));
+  auto r = t.reclaim(at(29'999));
+  CHECK(r.discarded == 0);
+  r = t.reclaim(at(30'000));
+  CHECK(r.discarded == 1);  // a, not b
+  CHECK(t.stats().objects == 1);
+  CHECK(t.stats().used == 2048);  // a's space is still reserved
+  CHECK(t.put_end("a", 7, at(30'001)) == store_errc::object_not_found);
+  // The key is free again for anyone.
+  CHECK_FALSE(t.put_start("a", 1000, 8, {}, at(30'002), w));
+  CHECK(t.stats().used == 3072);
+  // A second put of a key whose put went stale preempts it.
+  CHECK(t.put_start("b", 1000, 8, {}, at(34'999), w) == store_errc::object_in_progress);
+  REQUIRE_FALSE(t.put_start("b", 1000, 8, {}, at(35'000), w));
+  CHECK(t.put_end("b", 7, at(35'001)) == store_errc::illegal_client);
+  CHECK_FALSE(t.put_end("b", 8, at(35'001)));
+  CHECK(t.stats().reserved == 2048);
+  // a's first put released, b's first not yet; the new a (30.002 s) discarded.
+  r = t.reclaim(at(600'000));
+  CHECK(r.released == 1);
+  CHECK(r.released_bytes == 1024);
+  CHECK(r.discarded == 1);
+  r = t.reclaim(at(605'000));  // b's first released
+  CHECK(r.released == 1);
+  CHECK(r.discarded == 0);
+  CHECK(t.stats().reserved == 1024);
+  CHECK(t.reclaim(at(630'001)).released == 0);
+  CHECK(t.reclaim(at(630'002)).released == 1);
+  CHECK(t.stats().reserved == 0);
+  CHECK(t.stats().used == 1024);  // b
+}
+
+TEST_CASE("object_table: replicas go to distinct segments, preferred and same host first") {
+  object_table t;
+  const segment_id a = mount(t, 1, "a", 1 << 20, "h1");
+  const segment_id b = mount(t, 2, "b", 1 << 20, "h2");
+  const segment_id c = mount(t, 3, "c", 1 << 20, "h2");
+  for (int i = 0; i < 50; ++i) {
+    replica_list w;
+    REQUIRE_FALSE(t.put_start("k" + std::to_string(i), 100, 7, {.replicas = 3}, at(0), w));
+    REQUIRE(w.size() == 3);
+    std::set<segment_id> distinct;
+    for (const auto& r : w) distinct.insert(r.segment);
+    CHECK(distinct.size() == 3);
+  }
+  // More replicas than segments: best effort, still distinct.
+  replica_list w;
+  REQUIRE_FALSE(t.put_start("five", 100, 7, {.replicas = 5}, at(0), w));
+  CHECK(w.size() == 3);
+  // Preferred segments first, in order.
+  const std::vector<segment_id> pref{c, a};
+  REQUIRE_FALSE(t.put_start("pref", 100, 7, {.replicas = 2, .preferred = pref}, at(0), w));
+  REQUIRE(w.size() == 2);
+  CHECK(w[0].segment == c);
+  CHECK(w[1].segment == a);
+  // The writer's host next.
+  for (int i = 0; i < 20; ++i) {
+    REQUIRE_FALSE(
+        t.put_start("h" + std::to_string(i), 100, 7, {.replicas = 2, .host = "h2"}, at(0), w));
+    REQUIRE(w.size() == 2);
+    CHECK((w[0].segment == b || w[0].segment == c));
+    CHECK((w[1].segment == b || w[1].segment == c));
+  }
+  for (int i = 0; i < 20; ++i) {
+    REQUIRE_FALSE(t.put_start("host1-" + std::to_string(i), 100, 7, {.host = "h1"}, at(0), w));
+    CHECK(w[0].segment == a);
+  }
+  // A preferred segment that is full or unknown is passed over.
+  const std::vector<segment_id> unknown{segment_id{12345}};
+  REQUIRE_FALSE(t.put_start("u", 100, 7, {.preferred = unknown}, at(0), w));
+  CHECK(w.size() == 1);
+}
+
+TEST_CASE("object_table: random placement spreads, most_free fills the emptiest first") {
+  {
+    object_table t;
+    std::vector<segment_id> segs;
+    for (int i = 0; i < 4; ++i) segs.push_back(mount(t, 1, "s" + std::to_string(i), 1 << 20));
+    std::set<segment_id> used;
+    for (int i = 0; i < 64; ++i) {
+      replica_list w;
+      REQUIRE_FALSE(t.put_start("k" + std::to_string(i), 100, 7, {}, at(0), w));
+      used.insert(w[0].segment);
+    }
+    CHECK(used.size() == 4);
+  }
+  {
+    master_config cfg;
+    cfg.placement = "most_free";
+    object_table t{cfg};
+    const segment_id small = mount(t, 1, "small", 64 * kib);
+    const segment_id big = mount(t, 1, "big", 256 * kib);
+    replica_list w;
+    // The big one until both have the same free bytes, then alternating.
+    for (int i = 0; i < 48; ++i) {
+      REQUIRE_FALSE(t.put_start("k" + std::to_string(i), 4 * kib, 7, {}, at(0), w));
+      CHECK(w[0].segment == big);
+    }
+    const auto st = t.segments().stats();
+    REQUIRE(st.size() == 2);
+    for (const auto& s : st) CHECK(s.capacity - s.used == 64 * kib);
+    (void)small;
+  }
+  master_config bad;
+  bad.placement = "nearest";
+  CHECK_THROWS_AS(object_table{bad}, std::invalid_argument);
+}
+
+TEST_CASE("object_table: unmount drops its replicas; objects with none left disappear") {
+  object_table t;
+  const segment_id a = mount(t, 1, "a", 1 << 20);
+  const segment_id b = mount(t, 2, "b", 1 << 20);
+  const std::vector<segment_id> ab{a, b};
+  put(t, "both", 100, at(0), {.replicas = 2, .preferred = ab});
+  put(t, "only_a", 100, at(0), {.preferred = ab});
+  replica_list w;
+  REQUIRE_FALSE(t.put_start("writing_a", 100, 7, {.preferred = ab}, at(0), w));
+  REQUIRE(w[0].segment == a);
+  unmount_report r;
+  REQUIRE_FALSE(t.unmount_segment(a, &r));
+  CHECK(r.replicas_dropped == 3);
+  CHECK(r.objects_lost == 2);
+  object_info info;
+  CHECK(t.get("only_a", at(1), info) == store_errc::object_not_found);
+  CHECK(t.put_end("writing_a", 7, at(1)) == store_errc::object_not_found);
+  REQUIRE_FALSE(t.get("both", at(1), info));
+  REQUIRE(info.replicas.size() == 1);
+  CHECK(info.replicas[0].segment == b);
+  CHECK(t.stats().objects == 1);
+  CHECK(t.stats().capacity == 1u << 20);
+  CHECK(t.stats().used == 128);
+  // The survivor is removed from b's allocator as usual.
+  CHECK_FALSE(t.remove("both", at(20'000)));
+  CHECK(t.stats().used == 0);
+  CHECK(t.unmount_client(2) == 1);
+  CHECK(t.stats().capacity == 0);
+}
