@@ -221,79 +221,77 @@ class device_catalog {
   std::vector<entry> entries_;
 };
 
+namespace detail {
+
+/// Memory a runtime allocated, freed with it (RAII; move-only): the body of
+/// device_buffer and pinned_buffer.
+class runtime_allocation {
+ public:
+  runtime_allocation(runtime_allocation&& o) noexcept
+      : rt_(std::move(o.rt_)),
+        data_(std::exchange(o.data_, nullptr)),
+        size_(o.size_),
+        pinned_(o.pinned_) {}
+  runtime_allocation& operator=(runtime_allocation&& o) noexcept {
+    if (this != &o) {
+      reset();
+      rt_ = std::move(o.rt_);
+      data_ = std::exchange(o.data_, nullptr);
+      size_ = o.size_;
+      pinned_ = o.pinned_;
+    }
+    return *this;
+  }
+  ~runtime_allocation() { reset(); }
+
+  std::byte* data() const noexcept { return static_cast<std::byte*>(data_); }
+  std::size_t size() const noexcept { return size_; }
+
+ protected:
+  runtime_allocation() = default;
+  /// Throws std::system_error with the failing call.
+  runtime_allocation(std::shared_ptr<device_runtime> rt, bool pinned, std::int32_t device,
+                     std::size_t n)
+      : rt_(std::move(rt)), size_(n), pinned_(pinned) {
+    std::error_code ec;
+    std::string what;
+    data_ = pinned ? rt_->allocate_pinned(n, ec, what) : rt_->allocate(device, n, ec, what);
+    if (!data_) {
+      throw std::system_error(
+          ec, std::string("kvlink: ") + (pinned ? "pinned" : "device") + " allocation: " + what);
+    }
+  }
+
+ private:
+  void reset() noexcept {
+    if (data_ && pinned_) rt_->free_pinned(data_);
+    if (data_ && !pinned_) rt_->free(data_);
+    data_ = nullptr;
+  }
+  std::shared_ptr<device_runtime> rt_;
+  void* data_ = nullptr;
+  std::size_t size_ = 0;
+  bool pinned_ = false;
+};
+
+}  // namespace detail
+
 /// Device memory owned by a runtime (RAII; move-only).
-class device_buffer {
+class device_buffer : public detail::runtime_allocation {
  public:
   device_buffer() = default;
   /// Throws std::system_error with the failing call.
   device_buffer(std::shared_ptr<device_runtime> rt, std::int32_t device, std::size_t n)
-      : rt_(std::move(rt)), size_(n) {
-    std::error_code ec;
-    std::string what;
-    data_ = rt_->allocate(device, n, ec, what);
-    if (!data_) throw std::system_error(ec, "kvlink: device allocation: " + what);
-  }
-  device_buffer(device_buffer&& o) noexcept
-      : rt_(std::move(o.rt_)), data_(std::exchange(o.data_, nullptr)), size_(o.size_) {}
-  device_buffer& operator=(device_buffer&& o) noexcept {
-    if (this != &o) {
-      reset();
-      rt_ = std::move(o.rt_);
-      data_ = std::exchange(o.data_, nullptr);
-      size_ = o.size_;
-    }
-    return *this;
-  }
-  ~device_buffer() { reset(); }
-
-  std::byte* data() const noexcept { return static_cast<std::byte*>(data_); }
-  std::size_t size() const noexcept { return size_; }
-
- private:
-  void reset() noexcept {
-    if (data_) rt_->free(data_);
-    data_ = nullptr;
-  }
-  std::shared_ptr<device_runtime> rt_;
-  void* data_ = nullptr;
-  std::size_t size_ = 0;
+      : runtime_allocation(std::move(rt), false, device, n) {}
 };
 
 /// Pinned host memory owned by a runtime (RAII; move-only).
-class pinned_buffer {
+class pinned_buffer : public detail::runtime_allocation {
  public:
   pinned_buffer() = default;
   /// Throws std::system_error with the failing call.
-  pinned_buffer(std::shared_ptr<device_runtime> rt, std::size_t n) : rt_(std::move(rt)), size_(n) {
-    std::error_code ec;
-    std::string what;
-    data_ = rt_->allocate_pinned(n, ec, what);
-    if (!data_) throw std::system_error(ec, "kvlink: pinned allocation: " + what);
-  }
-  pinned_buffer(pinned_buffer&& o) noexcept
-      : rt_(std::move(o.rt_)), data_(std::exchange(o.data_, nullptr)), size_(o.size_) {}
-  pinned_buffer& operator=(pinned_buffer&& o) noexcept {
-    if (this != &o) {
-      reset();
-      rt_ = std::move(o.rt_);
-      data_ = std::exchange(o.data_, nullptr);
-      size_ = o.size_;
-    }
-    return *this;
-  }
-  ~pinned_buffer() { reset(); }
-
-  std::byte* data() const noexcept { return static_cast<std::byte*>(data_); }
-  std::size_t size() const noexcept { return size_; }
-
- private:
-  void reset() noexcept {
-    if (data_) rt_->free_pinned(data_);
-    data_ = nullptr;
-  }
-  std::shared_ptr<device_runtime> rt_;
-  void* data_ = nullptr;
-  std::size_t size_ = 0;
+  pinned_buffer(std::shared_ptr<device_runtime> rt, std::size_t n)
+      : runtime_allocation(std::move(rt), true, -1, n) {}
 };
 
 }  // namespace kvlink
