@@ -352,7 +352,10 @@ TEST_CASE("validate rejects what the engines cannot use") {
       "max_notification");
   rejects([](kvlink::config& c) { c.rdma.devices = "mlx5_0,,mlx5_1"; }, "rdma_devices");
   rejects([](kvlink::config& c) { c.rdma.devices = "mlx5_0, mlx5_1"; }, "rdma_devices");
-  rejects([](kvlink::config& c) { c.rdma.devices = ","; }, "rdma_devices");
+  // Not `= ","`: g++ 12 at -O3 inlines that one-character assignment into a
+  // memcpy and reports a -Wrestrict overlap that cannot happen (GCC bug
+  // 105329; issue 28: the Release build failed here). The string is the same.
+  rejects([](kvlink::config& c) { c.rdma.devices = std::string(1, ','); }, "rdma_devices");
   rejects([](kvlink::config& c) { c.rdma.gid_index = -2; }, "rdma_gid_index");
   for (const char* bad : {"10.0.0.5", ":80", "[::1"}) {
     CAPTURE(bad);
