@@ -71,6 +71,7 @@
 #include <kvlink/core/instance.hpp>
 #include <kvlink/core/segment_registry.hpp>
 #include <kvlink/core/types.hpp>
+#include <kvlink/detail/coroutines.hpp>
 #include <kvlink/detail/erased_handler.hpp>
 #include <kvlink/engine/config.hpp>
 #include <kvlink/engine/core.hpp>

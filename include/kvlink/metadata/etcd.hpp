@@ -31,6 +31,7 @@
 #include <kvlink/control/guard.hpp>
 #include <kvlink/core/address.hpp>
 #include <kvlink/core/error.hpp>
+#include <kvlink/detail/coroutines.hpp>
 #include <kvlink/detail/log.hpp>
 #include <kvlink/metadata/backend.hpp>
 #include <kvlink/metadata/http_client.hpp>

@@ -34,6 +34,7 @@
 #include <kvlink/control/message.hpp>
 #include <kvlink/core/error.hpp>
 #include <kvlink/core/segment_registry.hpp>
+#include <kvlink/detail/coroutines.hpp>
 #include <kvlink/detail/log.hpp>
 #include <kvlink/shm/cma.hpp>
 #include <kvlink/shm/config.hpp>
