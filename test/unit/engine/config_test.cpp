@@ -61,6 +61,8 @@ kvlink::config all_changed() {
   c.rdma.qps_per_endpoint = 4;
   c.rdma.max_wr = 1024;
   c.shm.lanes = 5;
+  c.shm.max_copy = 1 << 20;
+  c.shm.prefault = 0;
   c.name = "decode-3";
   c.metadata.url = "etcd://10.0.0.1:2379,10.0.0.2:2379";
   c.metadata.prefix = "cluster-a/engines/";
@@ -82,7 +84,7 @@ TEST_CASE("config table has one consistent row per config field") {
   const auto table = kvlink::config_table();
   const json j = kvlink::to_json(kvlink::config{});
   CHECK(j.size() == table.size());
-  CHECK(table.size() == 43);  // settings of kvlink::config and its sections
+  CHECK(table.size() == 45);  // settings of kvlink::config and its sections
 
   std::set<std::string_view> names, envs;
   for (const auto& s : table) {
@@ -366,6 +368,7 @@ TEST_CASE("validate rejects what the engines cannot use") {
     rejects([bad](kvlink::config& c) { c.transports = bad; }, "transports");
   }
   rejects([](kvlink::config& c) { c.rdma.qps_per_endpoint = 0; }, "rdma_qps_per_endpoint");
+  rejects([](kvlink::config& c) { c.shm.max_copy = 100; }, "shm_max_copy");
   rejects([](kvlink::config& c) { c.rdma.max_wr = 0; }, "rdma_max_wr");
   for (const char* bad : {"", "localhost", ":80", "host:", "host:65536", "host:8o", "::1:80",
                           "[::1]", "[]:80", "[::1:80", "host :80"}) {
