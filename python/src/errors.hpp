@@ -54,6 +54,8 @@ inline std::string_view errc_name(errc e) noexcept {
       "metadata_unavailable",
       "name_not_found",
       "remote_memory_fault",
+      "overlapping_destinations",
+      "unsigned_entry",
   };
   static_assert(static_cast<std::size_t>(errc_last) < std::size(names),
                 "name the new kvlink::errc values in errc_name()");
