@@ -555,11 +555,42 @@ class TransferEngine:
         return bid
 
 
+_ALIAS_PTH = "kvlink_mooncake_alias.pth"
+
+
+def _inert_alias() -> Optional[str]:
+    """A folder on sys.path (from PYTHONPATH, say) holding the alias's .pth
+    file although it is not a site directory: Python reads .pth files in
+    site directories only, so the alias there does nothing."""
+    import site
+    sites = set()
+    for d in list(site.getsitepackages()) + [site.getusersitepackages()]:
+        sites.add(os.path.realpath(d))
+    for entry in sys.path:
+        folder = os.path.realpath(entry or os.curdir)
+        if folder not in sites and os.path.isfile(os.path.join(folder, _ALIAS_PTH)):
+            return entry or os.curdir
+    return None
+
+
 def _main() -> int:
     """python3 -m kvlink.mooncake: says what `import mooncake.engine` gives here."""
     try:
         import mooncake.engine as m
     except ImportError as e:
+        inert = _inert_alias()
+        if inert is not None:
+            print(f"import mooncake.engine: {e}\n"
+                  f"The kvlink alias is installed in {inert} ({_ALIAS_PTH} is there), but that "
+                  "folder is not a site directory: Python processes .pth files only in site "
+                  "directories, so the alias is not active from PYTHONPATH. Either install it "
+                  "into a site directory (pip install ./python/mooncake-alias, or `cmake "
+                  "--install` with KVLINK_PYTHON_INSTALL_DIR set to python3 -c \"import sysconfig; "
+                  "print(sysconfig.get_path('purelib'))\"), or make that folder one: "
+                  f"site.addsitedir({inert!r}) before `import mooncake` (for instance in a "
+                  "sitecustomize.py, or python3 -c \"import site; site.addsitedir(...)\"). "
+                  "See kvlink's README, \"Python\".")
+            return 1
         print(f"import mooncake.engine: {e}\n(no Mooncake, and the kvlink alias is not "
               "installed: see kvlink's README, \"Python\")")
         return 1
