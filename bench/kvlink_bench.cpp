@@ -219,6 +219,13 @@ kvlink::config make_config(const engine_options& e) {
   kvlink::config cfg = kvlink::config_from_env(kvlink::config{}, ec, &what);
   if (ec) throw usage_error(what);
   cfg.transports = e.transport;
+  // The bench measures transfers, not first touches: a target's shared
+  // memory is mapped with its page tables filled whatever its size (once, at
+  // the first lease, inside the first row's warm-up), unless
+  // KVLINK_SHM_PREFAULT says otherwise.
+  if (std::getenv("KVLINK_SHM_PREFAULT") == nullptr) {
+    cfg.shm.prefault = std::numeric_limits<std::uint64_t>::max();
+  }
   if (e.checksums) cfg.checksums = true;
   if (e.lanes != 0) cfg.tcp.lanes = cfg.shm.lanes = e.lanes;
   if (!e.slice_size.empty()) cfg.slice_size = parse_bytes("--slice-size", e.slice_size);

@@ -6,18 +6,20 @@
 // with one initiating function, async_submit_transfer():
 //
 //   asio::io_context io;
-//   kvlink::tcp_engine eng{io.get_executor(), kvlink::config{.listen = "127.0.0.1:0"}};
+//   kvlink::engine eng{io.get_executor(), kvlink::config{.listen = "127.0.0.1:0"}};
 //   auto seg = eng.register_segment(buf, len, kvlink::access::remote_read_write);
 //   kvlink::peer p = co_await eng.async_connect("127.0.0.1:17001", asio::use_awaitable);
 //   std::vector<kvlink::transfer_request> reqs{
 //       {kvlink::opcode::write, buf, p.segment(0), 0, len}};
 //   kvlink::transfer_result r = co_await eng.async_submit_transfer(reqs, asio::use_awaitable);
 //
-// (examples/tcp_loopback.cpp is the whole program.) kvlink::engine is the
-// same engine without a template parameter, its transports chosen at run
-// time by config.transports ("rdma,tcp"; empty = every transport this
-// program has); tcp_engine and rdma_engine (kvlink/rdma.hpp) are typed
-// fronts over it whose only difference is that default.
+// (examples/quick_start.cpp is the whole program.) kvlink::engine chooses
+// its transport per peer at the handshake from config.transports ("rdma,tcp";
+// empty = every transport this program has: shm for a peer on this host,
+// rdma with kvlink/rdma.hpp, tcp). tcp_engine and rdma_engine
+// (kvlink/rdma.hpp) are typed fronts over it whose only difference is that
+// default ("tcp", "rdma,tcp"): a tcp_engine never uses shm unless its
+// config.transports names it (examples/tcp_loopback.cpp).
 //
 // The completion contract, which every transport keeps:
 // - A transfer completes once every byte is at its destination and visible
@@ -71,6 +73,7 @@
 #include <kvlink/core/instance.hpp>
 #include <kvlink/core/segment_registry.hpp>
 #include <kvlink/core/types.hpp>
+#include <kvlink/detail/coroutines.hpp>
 #include <kvlink/detail/erased_handler.hpp>
 #include <kvlink/engine/config.hpp>
 #include <kvlink/engine/core.hpp>

@@ -13,6 +13,7 @@
 // Any engine may name it: kvlink::engine with config.transports = "rdma,tcp".
 #pragma once
 
+#include <kvlink/detail/coroutines.hpp>
 #include <kvlink/engine.hpp>
 #include <kvlink/rdma/transport.hpp>
 

@@ -30,11 +30,25 @@ finds it). What differs, and why:
   transport. MC_FORCE_TCP forces TCP. Other protocols
   (nvlink, efa, hip, ...) give -1. MC_TRANSFER_TIMEOUT (seconds, at least 5,
   default 30) plus 1 s per GB bounds each transfer, as in Mooncake.
-- Failures are -1 (0 for the batch ids of the async calls) with the reason
-  on the "kvlink.mooncake" logger; nothing is left half-done: a batch with a
-  bad entry moves nothing, and every call that returns has finished touching
-  memory, except the async ones, whose ids are waited for by
-  get_batch_transfer_status / transfer_check_status.
+- Failure values are Mooncake's (mooncake-integration/transfer_engine/
+  transfer_engine_py.cpp), with the reason on the "kvlink.mooncake" logger:
+  -1 from initialize, the sync transfers, get_batch_transfer_status and
+  send_probe; Mooncake's error codes from the memory calls (-7
+  ERR_ADDRESS_OVERLAPPED for an overlapping registration, -3
+  ERR_ADDRESS_NOT_REGISTERED to unregister an unknown address, -1
+  ERR_INVALID_ARGUMENT otherwise); 0 from allocate_managed_buffer and
+  get_first_buffer_address. Batch ids are unsigned 64-bit there, so
+  Mooncake's `return -1` reaches Python as 2**64 - 1 (INVALID_BATCH in its
+  C API): transfer_submit_write gives that on any failure, and
+  batch_transfer_async* give it for a peer that cannot be reached and 0 for
+  a batch refused at submission (lists of different lengths, a bad entry).
+  Nothing is left half-done: a batch with a bad entry moves nothing, and
+  every call that returns has finished touching memory, except the async
+  ones, whose ids are waited for by get_batch_transfer_status /
+  transfer_check_status. Where Mooncake has no failure value kvlink keeps
+  one: free_managed_buffer of an address it did not allocate and
+  write_bytes_to_buffer outside registered memory give -1 (Mooncake frees
+  or writes whatever it is given).
 - Memory: host memory, and GPU memory where the engine has a device runtime
   (kvlink's `device` setting, KVLINK_DEVICE: "auto", the default, is CUDA
   where this build has kvlink::cuda and a GPU is present; "emulated" is the
@@ -83,6 +97,15 @@ SUPPORT_MNNVL = False
 SUPPORT_INTRA_NVLINK = False
 
 P2PHANDSHAKE = "P2PHANDSHAKE"
+
+# Mooncake's error codes (mooncake-transfer-engine/include/error.h), where its
+# binding passes them on.
+_ERR_INVALID_ARGUMENT = -1
+_ERR_ADDRESS_NOT_REGISTERED = -3
+_ERR_ADDRESS_OVERLAPPED = -7
+# Mooncake's batch ids are uint64 (batch_id_t): its `return -1` from
+# transfer_submit_write and batch_transfer_async* reaches Python as this.
+_INVALID_BATCH = 2**64 - 1
 
 
 class TransferOpcode(enum.IntEnum):
@@ -278,7 +301,9 @@ class TransferEngine:
         except (kvlink.Error, TypeError, ValueError, OverflowError) as e:
             log.error("register_memory(%#x, %d, %r): %s", buffer_addr or 0, capacity or 0,
                       location, e)
-            return -1
+            if getattr(e, "errc", "") == "overlapping_registration":
+                return _ERR_ADDRESS_OVERLAPPED
+            return _ERR_INVALID_ARGUMENT
 
     def unregister_memory(self, buffer_addr, /) -> int:
         eng = self._ready("unregister_memory")
@@ -287,7 +312,7 @@ class TransferEngine:
         seg = eng._core.segment_at(int(buffer_addr))
         if seg is None:
             log.error("unregister_memory(%#x): not registered", buffer_addr)
-            return -1
+            return _ERR_ADDRESS_NOT_REGISTERED
         try:
             eng.unregister(seg.id)
             return 0
@@ -296,23 +321,26 @@ class TransferEngine:
             return -1
 
     def batch_register_memory(self, buffer_addresses, capacities, location="*") -> int:
-        """All or nothing: a failure unregisters what this call registered."""
+        """All or nothing: a failure unregisters what this call registered and
+        gives the failing entry's code (as register_memory)."""
         if len(buffer_addresses) != len(capacities):
             log.error("batch_register_memory: %d addresses, %d capacities",
                       len(buffer_addresses), len(capacities))
-            return -1
+            return _ERR_INVALID_ARGUMENT
         done = []
         for addr, cap in zip(buffer_addresses, capacities):
-            if self.register_memory(addr, cap, location) != 0:
+            rc = self.register_memory(addr, cap, location)
+            if rc != 0:
                 for a in done:
                     self.unregister_memory(a)
-                return -1
+                return rc
             done.append(addr)
         return 0
 
     def batch_unregister_memory(self, buffer_addresses, /) -> int:
+        """Unregisters every address it can; the first failure's code."""
         results = [self.unregister_memory(a) for a in buffer_addresses]
-        return 0 if all(r == 0 for r in results) else -1
+        return next((r for r in results if r != 0), 0)
 
     def allocate_managed_buffer(self, length, /) -> int:
         """A page-aligned, zeroed, registered buffer; 0 on failure."""
@@ -395,22 +423,29 @@ class TransferEngine:
 
     def batch_transfer_async_write(self, target_hostname, buffers, peer_buffer_addresses,
                                    lengths, transport_hint="") -> int:
+        """A batch id; 2**64 - 1 for a peer that cannot be reached, 0 for a
+        batch refused at submission (Mooncake's values)."""
         return self._async(target_hostname, kvlink.WRITE, buffers, peer_buffer_addresses,
-                           lengths, 0)
+                           lengths, _INVALID_BATCH, 0)
 
     def batch_transfer_async_read(self, target_hostname, buffers, peer_buffer_addresses, lengths,
                                   transport_hint="") -> int:
+        """As batch_transfer_async_write."""
         return self._async(target_hostname, kvlink.READ, buffers, peer_buffer_addresses, lengths,
-                           0)
+                           _INVALID_BATCH, 0)
 
     def batch_transfer_async(self, target_hostname, buffers, peer_buffer_addresses, lengths,
                              opcode, transport_hint="") -> int:
+        """As batch_transfer_async_write."""
         return self._async(target_hostname, int(opcode), buffers, peer_buffer_addresses, lengths,
-                           0)
+                           _INVALID_BATCH, 0)
 
     def transfer_submit_write(self, target_hostname, buffer, peer_buffer_address, length,
                               transport_hint="") -> int:
-        return self._async(target_hostname, kvlink.WRITE, buffer, peer_buffer_address, length, -1)
+        """A batch id for transfer_check_status; 2**64 - 1 on any failure
+        (Mooncake's (batch_id_t)-1)."""
+        return self._async(target_hostname, kvlink.WRITE, buffer, peer_buffer_address, length,
+                           _INVALID_BATCH, _INVALID_BATCH)
 
     def get_batch_transfer_status(self, batch_ids, /) -> int:
         """Waits for every batch; 0 if all succeeded, else -1 (an unknown id counts as failed)."""
@@ -593,14 +628,34 @@ class TransferEngine:
         op_ = self._submit(target, op, local, remote, lengths, notify, "transfer")
         return 0 if op_ is not None and self._outcome(op_) else -1
 
-    def _async(self, target, op, local, remote, lengths, failed: int) -> int:
+    def _async(self, target, op, local, remote, lengths, unreachable: int, refused: int) -> int:
+        if self._peer(target, "async transfer") is None:
+            return unreachable
         op_ = self._submit(target, op, local, remote, lengths, None, "async transfer")
         if op_ is None:
-            return failed
+            return refused
         bid = next(self._batch_ids)
         with self._lock:
             self._batches[bid] = op_
         return bid
+
+
+_ALIAS_PTH = "kvlink_mooncake_alias.pth"
+
+
+def _inert_alias() -> Optional[str]:
+    """A folder on sys.path (from PYTHONPATH, say) holding the alias's .pth
+    file although it is not a site directory: Python reads .pth files in
+    site directories only, so the alias there does nothing."""
+    import site
+    sites = set()
+    for d in list(site.getsitepackages()) + [site.getusersitepackages()]:
+        sites.add(os.path.realpath(d))
+    for entry in sys.path:
+        folder = os.path.realpath(entry or os.curdir)
+        if folder not in sites and os.path.isfile(os.path.join(folder, _ALIAS_PTH)):
+            return entry or os.curdir
+    return None
 
 
 def _main() -> int:
@@ -608,6 +663,19 @@ def _main() -> int:
     try:
         import mooncake.engine as m
     except ImportError as e:
+        inert = _inert_alias()
+        if inert is not None:
+            print(f"import mooncake.engine: {e}\n"
+                  f"The kvlink alias is installed in {inert} ({_ALIAS_PTH} is there), but that "
+                  "folder is not a site directory: Python processes .pth files only in site "
+                  "directories, so the alias is not active from PYTHONPATH. Either install it "
+                  "into a site directory (pip install ./python/mooncake-alias, or `cmake "
+                  "--install` with KVLINK_PYTHON_INSTALL_DIR set to python3 -c \"import sysconfig; "
+                  "print(sysconfig.get_path('purelib'))\"), or make that folder one: "
+                  f"site.addsitedir({inert!r}) before `import mooncake` (for instance in a "
+                  "sitecustomize.py, or python3 -c \"import site; site.addsitedir(...)\"). "
+                  "See kvlink's README, \"Python\".")
+            return 1
         print(f"import mooncake.engine: {e}\n(no Mooncake, and the kvlink alias is not "
               "installed: see kvlink's README, \"Python\")")
         return 1

@@ -54,6 +54,8 @@ inline std::string_view errc_name(errc e) noexcept {
       "metadata_unavailable",
       "name_not_found",
       "remote_memory_fault",
+      "overlapping_destinations",
+      "unsigned_entry",
       "device_error",
   };
   static_assert(static_cast<std::size_t>(errc_last) < std::size(names),

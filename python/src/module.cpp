@@ -296,11 +296,13 @@ class py_engine {
     std::vector<transfer_request> reqs;
     std::string what;
     std::error_code ec;
+    bool built = false;
     std::shared_ptr<operation> result;
     {
       py::gil_scoped_release nogil;  // the columns are only read here
       ec = build_requests(op, p, b, reqs, what);
-      if (!ec) {
+      built = !ec;
+      if (built) {
         result = h_nogil().make_operation(
             fmt::format("{} of {} entries with {}", to_string(op), reqs.size(), p.address()));
         ec = h_nogil().with_engine([&](engine& e) {
@@ -310,6 +312,9 @@ class py_engine {
         if (ec) what = "transfer";
       }
     }
+    // build_requests says the whole of what is wrong with an entry (a peer
+    // address is the remote side, not a buffer to register here).
+    if (ec && !built) raise_error_text(ec, what, fmt::format("{} [{}]", what, error_name(ec)));
     if (ec) raise_error(ec, what);
     return result;
   }

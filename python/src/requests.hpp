@@ -137,11 +137,12 @@ struct batch_columns {
   std::optional<u64_column> segments;
 };
 
-/// Builds the requests of a batch (no GIL needed). Errors, with `what` naming
-/// the entry: invalid_argument (columns of different lengths), not_registered
-/// (a peer address outside every segment the peer advertised), out_of_bounds
-/// (one that starts inside a segment and runs past its end). Local addresses
-/// and access are checked by the engine.
+/// Builds the requests of a batch (no GIL needed). Errors, with `what` the
+/// whole message, naming the entry: invalid_argument (columns of different
+/// lengths), not_registered (a peer address outside every segment the peer
+/// advertised: the remote side, with the address and the peer's segments),
+/// out_of_bounds (one that starts inside a segment and runs past its end).
+/// Local addresses and access are checked by the engine.
 inline std::error_code build_requests(opcode op, const peer& p, const batch_columns& b,
                                       std::vector<transfer_request>& out, std::string& what) {
   std::size_t n = 1;
@@ -184,16 +185,25 @@ inline std::error_code build_requests(opcode op, const peer& p, const batch_colu
     auto it = std::upper_bound(ranges.begin(), ranges.end(), addr,
                                [](std::uint64_t a, const range& r) { return a < r.base; });
     if (it == ranges.begin() || addr - std::prev(it)->base >= std::prev(it)->length) {
-      what = fmt::format("entry {}: peer address {:#x} is not inside memory {} registered", i, addr,
-                         p.address());
+      // The remote side: not the caller's buffer, which the engine checks.
+      std::string listed;
+      for (std::size_t k = 0; k < ranges.size() && k < 4; ++k) {
+        listed += fmt::format("{}{:#x}+{}", k == 0 ? "" : ", ", ranges[k].base, ranges[k].length);
+      }
+      if (ranges.size() > 4) listed += fmt::format(", ... ({} in all)", ranges.size());
+      what = fmt::format(
+          "entry {}: remote address {:#x} is not inside any segment the peer {} registered ({}): "
+          "check the peer buffer address",
+          i, addr, p.address(), ranges.empty() ? std::string("it registered none") : listed);
       return errc::not_registered;
     }
     const range& r = *std::prev(it);
     const std::uint64_t offset = addr - r.base;
     if (len > r.length - offset) {
-      what =
-          fmt::format("entry {}: peer address {:#x} + {} bytes runs past the end of {}'s segment",
-                      i, addr, len, p.address());
+      what = fmt::format(
+          "entry {}: remote address {:#x} + {} bytes runs past the end of the peer {}'s segment "
+          "{:#x}+{}",
+          i, addr, len, p.address(), r.base, r.length);
       return errc::out_of_bounds;
     }
     out.push_back(transfer_request{op, reinterpret_cast<void*>(b.local[i]),

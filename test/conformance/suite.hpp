@@ -353,14 +353,16 @@ TEST_CASE("conformance: the handler is the fence after cancellation, deadline an
       rig r{static_cast<std::size_t>(bytes)};
       fill_pattern(r.local.data(), bytes, 1, 0);
       fill_pattern(r.remote.data(), bytes, 2, 0);
-      auto reqs = r.big(op, bytes);
+      // "error": the last 4 KiB of local memory are the bad request's, so
+      // that no two requests write the same bytes (a READ's destination).
+      auto reqs = r.big(op, how == "error" ? bytes - 4096 : bytes);
       kvlink::transfer_options opts;
       if (how == "deadline") opts.deadline = 1ms;
       if (how == "error") {
         // A request the initiator cannot check (an id it does not know) in
         // the middle: the target refuses it while the others move.
         reqs.insert(reqs.begin() + static_cast<std::ptrdiff_t>(reqs.size() / 2),
-                    {op, r.local.data(),
+                    {op, r.local.data() + bytes - 4096,
                      r.peer.segment(kvlink::segment_id{r.remote_seg.value() + 1000}), 0, 4096});
       }
       asio::cancellation_signal sig;

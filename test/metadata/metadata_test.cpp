@@ -18,8 +18,11 @@
 #endif
 
 #include <chrono>
+#include <csignal>
+#include <cstdio>
 #include <cstdlib>
 #include <fstream>
+#include <iterator>
 #include <memory>
 #include <optional>
 #include <string>
@@ -213,6 +216,42 @@ void expiry_case(const std::string& url, double bound_s) {
   b->kill_now();
 }
 
+// What kvlink logs on stderr while it lives (kvlink's log has no other sink).
+class stderr_capture {
+ public:
+  stderr_capture() {
+    std::fflush(stderr);
+    saved_ = ::dup(2);
+    char path[] = "/tmp/kvlink-stderr-XXXXXX";
+    const int fd = ::mkstemp(path);
+    REQUIRE(fd >= 0);
+    path_ = path;
+    ::dup2(fd, 2);
+    ::close(fd);
+    if (const char* q = std::getenv("KVLINK_QUIET")) quiet_ = q;
+    ::unsetenv("KVLINK_QUIET");
+  }
+  ~stderr_capture() {
+    std::fflush(stderr);
+    ::dup2(saved_, 2);
+    ::close(saved_);
+    ::unlink(path_.c_str());
+    if (!quiet_.empty()) ::setenv("KVLINK_QUIET", quiet_.c_str(), 1);
+  }
+  stderr_capture(const stderr_capture&) = delete;
+  stderr_capture& operator=(const stderr_capture&) = delete;
+  std::string text() const {
+    std::fflush(stderr);
+    std::ifstream f(path_);
+    return {std::istreambuf_iterator<char>(f), std::istreambuf_iterator<char>()};
+  }
+
+ private:
+  int saved_ = -1;
+  std::string path_;
+  std::string quiet_;
+};
+
 }  // namespace
 
 // ====================================================================== etcd
@@ -363,6 +402,101 @@ TEST_SUITE("etcd") {
     watcher->withdraw([&done] { done = true; });
     REQUIRE(eventually(
         io, [&] { return done; }, 10s));
+  }
+
+  TEST_CASE(
+      "etcd: an unsigned write under a live engine's name: its owner puts its signed entry back "
+      "within the TTL; a lookup meanwhile says the entry is not signed") {
+    temp_dir dir;
+    etcd_cluster etcd(dir.path, {});
+    auto b = start_child("decode-0", etcd.url(), 7);
+    const std::string key = "kvlink/engines/decode-0";
+    using kvlink::detail::http::base64_encode;
+    // What anyone with access to etcd can write: a descriptor, unsigned,
+    // under the live engine's key, on no lease.
+    const auto forge = [&] {
+      kvlink::control::peer_descriptor d;
+      d.instance = {6, 6};
+      d.address = "127.0.0.1:1";
+      d.name = "decode-0";
+      d.seq = 99;
+      nlohmann::json out;
+      REQUIRE_FALSE(etcd_call(etcd.endpoint(0), "/v3/kv/put",
+                              {{"key", base64_encode(key)},
+                               {"value", base64_encode(kvlink::detail::encode_entry(
+                                             d, kvlink::control::peer_guard{}))}},
+                              out));
+    };
+    // The instance etcd holds under the key, if the entry there is signed
+    // with the cluster's secret.
+    const auto stored = [&]() -> std::optional<kvlink::instance_id> {
+      nlohmann::json out;
+      if (etcd_call(etcd.endpoint(0), "/v3/kv/range", {{"key", base64_encode(key)}}, out)) {
+        return std::nullopt;
+      }
+      const auto kvs = out.value("kvs", nlohmann::json::array());
+      if (kvs.empty()) return std::nullopt;
+      const auto text = kvlink::detail::http::base64_decode(kvs[0].value("value", std::string{}));
+      kvlink::control::peer_descriptor d;
+      if (!text ||
+          kvlink::detail::decode_entry(*text, kvlink::control::peer_guard(secret), 1 << 20, d)) {
+        return std::nullopt;
+      }
+      return d.instance;
+    };
+    const auto owner = stored();  // the child's own, signed entry
+    REQUIRE(owner.has_value());
+    const auto back_within = [&](std::chrono::milliseconds limit) {
+      const auto until = std::chrono::steady_clock::now() + limit;
+      while (std::chrono::steady_clock::now() < until) {
+        if (stored() == owner) return true;
+        std::this_thread::sleep_for(20ms);
+      }
+      return false;
+    };
+
+    // The owner runs: an overwrite and a delete are each undone within the
+    // lease TTL (2 s).
+    forge();
+    auto t0 = std::chrono::steady_clock::now();
+    CHECK(back_within(2s));
+    MESSAGE("signed entry back " << seconds_since(t0) << " s after an unsigned overwrite");
+    nlohmann::json out;
+    REQUIRE_FALSE(
+        etcd_call(etcd.endpoint(0), "/v3/kv/deleterange", {{"key", base64_encode(key)}}, out));
+    t0 = std::chrono::steady_clock::now();
+    CHECK(back_within(2s));
+    MESSAGE("signed entry back " << seconds_since(t0) << " s after a delete");
+
+    // The owner cannot answer (stopped): a lookup finds the unsigned entry
+    // and says so, by name, instead of "not published".
+    stop(*b);
+    forge();
+    std::string said;
+    {
+      stderr_capture cap;
+      local c(engine_config("prefill-1", etcd.url()));
+      CHECK(resolve(c.io, c.e(), "decode-0").first == kvlink::errc::unsigned_entry);
+      CHECK(connect(c.io, c.e(), "decode-0").first == kvlink::errc::unsigned_entry);
+      said = cap.text();
+    }
+    MESSAGE(said);
+    CHECK(said.find("the published entry for decode-0 is not signed with this cluster's secret") !=
+          std::string::npos);
+    CHECK(kvlink::make_error_code(kvlink::errc::unsigned_entry).message().find("not signed") !=
+          std::string::npos);
+
+    // It runs again: its entry is back (a new lease if the old one expired)
+    // and the name reaches it.
+    b->signal(SIGCONT);
+    t0 = std::chrono::steady_clock::now();
+    CHECK(back_within(5s));
+    MESSAGE("signed entry back " << seconds_since(t0) << " s after the owner resumed");
+    local a(engine_config("prefill-0", etcd.url()));
+    const auto p_got = connect(a.io, a.e(), "decode-0");
+    REQUIRE_MESSAGE(!p_got.first, p_got.first.message());
+    CHECK(p_got.second.address() == b->address());
+    read_checked(a, p_got.second, 0, 0, 4096, 7);
   }
 
   TEST_CASE("etcd: store down: peers keep working, lookups fail, publishing resumes") {

@@ -76,3 +76,33 @@ def test_startup_does_not_import_kvlink():
 def test_which_one():
     r = run("import runpy; runpy.run_module('kvlink.mooncake', run_name='__main__')")
     assert "mooncake.engine -> kvlink" in r.stdout, r.stdout + r.stderr
+
+
+def test_an_alias_on_pythonpath_is_inert_and_the_diagnostic_says_so(tmp_path):
+    # As `cmake --install build --component python --prefix P` and
+    # `--component mooncake_alias --prefix P` leave it, reached by PYTHONPATH
+    # only: Python does not process .pth files there (issue 28).
+    import shutil
+    prefix = tmp_path / "lib" / "python3" / "site-packages"
+    shutil.copytree(SITE / "kvlink", prefix / "kvlink",
+                    ignore=shutil.ignore_patterns("__pycache__"))
+    for f in ("_kvlink_mooncake_alias.py", "kvlink_mooncake_alias.pth"):
+        shutil.copy(SITE / f, prefix / f)
+    env = dict(os.environ, PYTHONPATH=str(prefix))
+
+    def py(*args):
+        return subprocess.run([sys.executable, *args], env=env, capture_output=True, text=True,
+                              timeout=60)
+
+    plain = py("-c", "import mooncake.engine")
+    assert plain.returncode != 0 and "No module named 'mooncake'" in plain.stderr
+    said = py("-m", "kvlink.mooncake")
+    assert said.returncode == 1
+    assert f"installed in {prefix}" in said.stdout, said.stdout
+    assert "not a site directory" in said.stdout and "site.addsitedir" in said.stdout
+    assert "is not installed" not in said.stdout
+    # What it advises works.
+    fixed = py("-c", f"import site; site.addsitedir({str(prefix)!r}); import mooncake.engine as m; "
+                     "print(m.TransferEngine.__module__)")
+    assert fixed.returncode == 0, fixed.stderr
+    assert fixed.stdout.strip() == "kvlink.mooncake"

@@ -248,12 +248,15 @@ def test_register_calls(local):
     bufs = [np.zeros(4096, np.uint8) for _ in range(3)]
     addrs = [b.ctypes.data for b in bufs]
     assert eng.batch_register_memory(addrs, [4096] * 3) == 0
-    assert eng.register_memory(addrs[0], 4096) == -1  # overlapping
+    # Mooncake's error codes (its error.h): ERR_ADDRESS_OVERLAPPED (-7),
+    # ERR_ADDRESS_NOT_REGISTERED (-3), ERR_INVALID_ARGUMENT (-1).
+    assert eng.register_memory(addrs[0], 4096) == -7  # overlapping
     assert eng.batch_unregister_memory(addrs) == 0
-    assert eng.unregister_memory(addrs[0]) == -1  # unknown
+    assert eng.unregister_memory(addrs[0]) == -3  # unknown
+    assert eng.batch_unregister_memory([addrs[0]]) == -3
     assert eng.batch_register_memory(addrs, [4096] * 2) == -1  # mismatched lengths
     # All or nothing: the second overlaps the first, so neither stays.
-    assert eng.batch_register_memory([addrs[1], addrs[1] + 100], [4096, 100]) == -1
+    assert eng.batch_register_memory([addrs[1], addrs[1] + 100], [4096, 100]) == -7
     assert eng.register_memory(addrs[1], 4096) == 0 and eng.unregister_memory(addrs[1]) == 0
     assert eng.register_memory(addrs[2], 4096, "cuda:0") == -1
     assert eng.register_memory(addrs[2], 4096, location="cpu:0") == 0
@@ -301,10 +304,20 @@ def test_bad_input_leaves_memory_untouched(local, peer_process, caplog):
         assert eng.batch_transfer_sync_write(s, [buf.ctypes.data, stray.ctypes.data],
                                              [base, base + 100], [100, 100]) == -1
         assert eng.batch_transfer_sync_write(s, [buf.ctypes.data] * 2, [base], [100, 100]) == -1
+        # Mooncake's values for a batch refused at submission: 0 from
+        # batch_transfer_async_*, its (batch_id_t)-1 (2**64 - 1) from
+        # transfer_submit_write.
         assert eng.batch_transfer_async_write(s, [buf.ctypes.data], [base, base], [1]) == 0
+        assert eng.batch_transfer_async_write(s, [buf.ctypes.data], [base + 10 * SIZE], [1]) == 0
+        assert eng.transfer_submit_write(s, buf.ctypes.data, base + 10 * SIZE, 10) == 2**64 - 1
+        # An unregistered local buffer is the engine's to refuse, after
+        # submission: the id fails when it is checked.
+        bid = eng.batch_transfer_async_write(s, [stray.ctypes.data], [base], [1])
+        assert bid not in (0, 2**64 - 1) and eng.get_batch_transfer_status([bid]) == -1
         bid = eng.transfer_submit_write(s, stray.ctypes.data, base, 10)
-        status = -1 if bid == -1 else 0
-        while status == 0:  # refused at submission (-1) or when checked
+        assert bid not in (0, 2**64 - 1)
+        status = 0
+        while status == 0:
             status = eng.transfer_check_status(bid)
         assert status == -1
     assert peer_process.dump(0, 4096) == before
@@ -314,14 +327,36 @@ def test_bad_input_leaves_memory_untouched(local, peer_process, caplog):
     assert (stray == 3).all()
 
 
+def test_a_bad_peer_address_names_the_remote_side(local, peer_process, caplog):
+    eng, buf = local
+    base, s = peer_process.base, peer_process.session
+    bad = base + 10 * SIZE
+    with caplog.at_level(logging.ERROR, "kvlink.mooncake"):
+        assert eng.transfer_sync_write(s, buf.ctypes.data, bad, 100) == -1
+    said = caplog.text
+    assert f"remote address {bad:#x} is not inside any segment the peer" in said, said
+    assert f"{base:#x}+" in said  # the peer's segments, for comparison
+    assert "register the buffer" not in said  # not the local side
+    caplog.clear()
+    with caplog.at_level(logging.ERROR, "kvlink.mooncake"):
+        assert eng.batch_transfer_sync_read(s, [buf.ctypes.data], [base + SIZE - 10], [100]) == -1
+    assert f"remote address {base + SIZE - 10:#x} + 100 bytes runs past the end" in caplog.text
+
+
 def test_unknown_sessions_fail_fast(local):
     eng, buf = local
     for name in ("unreachable_peer:9", "127.0.0.1:1", "not a session"):
         t = time.monotonic()
         assert eng.transfer_sync_write(name, buf.ctypes.data, 0x1000, 8) == -1
         assert eng.batch_transfer_sync_read(name, [buf.ctypes.data], [0x1000], [8]) == -1
-        assert eng.batch_transfer_async_write(name, [buf.ctypes.data], [0x1000], [8]) == 0
-        assert eng.transfer_submit_write(name, buf.ctypes.data, 0x1000, 8) == -1
+        # Mooncake: openSegment fails, and its `return -1` of a uint64
+        # batch id reaches Python as 2**64 - 1 (issue 28).
+        assert eng.batch_transfer_async_write(name, [buf.ctypes.data], [0x1000], [8]) == 2**64 - 1
+        assert eng.batch_transfer_async_read(name, [buf.ctypes.data], [0x1000], [8]) == 2**64 - 1
+        assert eng.batch_transfer_async(name, [buf.ctypes.data], [0x1000], [8],
+                                        TransferOpcode.Write) == 2**64 - 1
+        assert eng.transfer_submit_write(name, buf.ctypes.data, 0x1000, 8) == 2**64 - 1
+        assert eng.transfer_check_status(2**64 - 1) == -1
         assert eng.get_batch_transfer_status([0]) == -1
         assert time.monotonic() - t < 15, name
 

@@ -31,6 +31,7 @@
 #include <kvlink/control/socket.hpp>
 #include <kvlink/core/error.hpp>
 #include <kvlink/core/instance.hpp>
+#include <kvlink/detail/coroutines.hpp>
 #include <kvlink/version.hpp>
 
 #include <algorithm>

@@ -39,6 +39,8 @@ enum class errc : int {
   metadata_unavailable,       ///< the metadata store (etcd, HTTP) cannot be reached
   name_not_found,             ///< no engine of that name is published in the metadata store
   remote_memory_fault,        ///< a peer's registered memory is not accessible (same-host copy)
+  overlapping_destinations,   ///< two requests of one transfer write the same bytes
+  unsigned_entry,             ///< a metadata entry is not signed with this cluster's secret
   device_error,               ///< a device runtime call or device copy failed
 };
 
@@ -120,6 +122,16 @@ class error_category_impl final : public std::error_category {
       case errc::remote_memory_fault:
         return "the peer's registered memory is not accessible (it was unmapped or freed without "
                "being unregistered first): that transfer failed";
+      case errc::overlapping_destinations:
+        return "two requests of one transfer write the same bytes (WRITEs to overlapping ranges "
+               "of a peer's segment, or READs into overlapping local memory): the requests run "
+               "concurrently, so which bytes would land is undefined; nothing was moved. Submit "
+               "them as separate transfers, in the order you need";
+      case errc::unsigned_entry:
+        return "the entry published under that name is not signed with this cluster's secret "
+               "(written by someone without it, or the engines were given different "
+               "auth_secret values): it was not used; a live owner republishes its signed entry "
+               "within a lease TTL";
       case errc::device_error:
         return "a device (GPU) runtime call or device copy failed: see the log for the call and "
                "its error; the transfer that needed it failed";

@@ -18,6 +18,7 @@
 #include <kvlink/core/instance.hpp>
 #include <kvlink/core/segment_registry.hpp>
 #include <kvlink/core/types.hpp>
+#include <kvlink/detail/coroutines.hpp>
 #include <kvlink/detail/erased_handler.hpp>
 #include <kvlink/detail/log.hpp>
 #include <kvlink/engine/config.hpp>

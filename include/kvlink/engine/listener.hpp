@@ -9,6 +9,7 @@
 #include <kvlink/control/socket.hpp>
 #include <kvlink/core/address.hpp>
 #include <kvlink/core/error.hpp>
+#include <kvlink/detail/coroutines.hpp>
 #include <kvlink/detail/log.hpp>
 
 #include <algorithm>

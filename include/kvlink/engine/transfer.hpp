@@ -169,6 +169,13 @@ class transfers : public std::enable_shared_from_this<transfers> {
         return;
       }
     }
+    // No two requests may write the same bytes (destinations_overlap, in the
+    // planner): checked once over the whole batch, across peers.
+    if (reqs.size() > 1 && overlapping(groups)) {
+      op->error = errc::overlapping_destinations;
+      complete(op);
+      return;
+    }
     // The local memory it uses stays registered until it completes:
     // unregistering a segment stops the transfers that use it and waits.
     for (const auto& g : groups) {
@@ -346,6 +353,22 @@ class transfers : public std::enable_shared_from_this<transfers> {
     g->items.push_back(plan_request{r.op, reinterpret_cast<std::uintptr_t>(r.local), local.id,
                                     r.remote.segment, r.remote_offset, r.length});
     return {};
+  }
+
+  // WRITEs' ranges in each peer's segments, READs' ranges in local memory.
+  static bool overlapping(const std::vector<group>& groups) {
+    std::vector<destination_range> ranges;
+    for (const auto& g : groups) {
+      for (const auto& item : g.items) {
+        if (item.op == opcode::write) {
+          ranges.push_back({reinterpret_cast<std::uintptr_t>(g.p.get()),
+                            item.remote_segment.value(), item.remote_offset, item.length});
+        } else {
+          ranges.push_back({0, 0, item.local_addr, item.length});
+        }
+      }
+    }
+    return destinations_overlap(ranges);
   }
 
   void on_slice_done(transfer_op* op, std::uint64_t bytes, std::error_code ec) {

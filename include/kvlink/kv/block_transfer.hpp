@@ -34,6 +34,7 @@
 
 #include <kvlink/core/error.hpp>
 #include <kvlink/core/types.hpp>
+#include <kvlink/detail/coroutines.hpp>
 #include <kvlink/kv/layout.hpp>
 
 #include <algorithm>

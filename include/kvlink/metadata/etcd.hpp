@@ -25,12 +25,19 @@
 //   when etcd says it is invalid) and TLS with client certificates (the
 //   TLS files of metadata/config.hpp, via metadata/tls.hpp). What is
 //   written is the descriptor alone, signed when a shared secret is set.
+//   Anyone who may write to etcd can overwrite or delete a key: the owner
+//   sees its own key change (through the watch, or with each keepalive when
+//   it follows nobody) and writes its signed entry again at once, so the
+//   name is back within a lease TTL; a lookup that meanwhile finds an entry
+//   not signed with the secret fails with unsigned_entry (and says so, with
+//   the name), not name_not_found.
 #pragma once
 
 #include <kvlink/control/descriptor.hpp>
 #include <kvlink/control/guard.hpp>
 #include <kvlink/core/address.hpp>
 #include <kvlink/core/error.hpp>
+#include <kvlink/detail/coroutines.hpp>
 #include <kvlink/detail/log.hpp>
 #include <kvlink/metadata/backend.hpp>
 #include <kvlink/metadata/http_client.hpp>
@@ -499,10 +506,10 @@ class etcd_metadata final : public metadata_backend,
             h(errc::name_not_found, std::move(rp));
             co_return;
           }
-          const auto text = detail::http::base64_decode(kvs[0].value("value", std::string{}));
-          std::error_code dec = errc::malformed_message;
-          if (text) dec = self->dir_.to_resolved(*text, rp);
-          h(dec ? std::error_code{errc::name_not_found} : std::error_code{}, std::move(rp));
+          const auto text = detail::http::base64_decode(kv_value(kvs[0]));
+          const std::error_code dec =
+              text ? self->dir_.lookup(name, *text, rp) : std::error_code{errc::name_not_found};
+          h(dec, std::move(rp));
         },
         asio::detached);
   }
@@ -552,6 +559,36 @@ class etcd_metadata final : public metadata_backend,
     }
     next_keepalive_ = std::chrono::steady_clock::now() + o_.ttl / 3;
     co_return std::error_code{};
+  }
+
+  static std::string kv_value(const nlohmann::json& kv) {
+    return kv.is_object() ? kv.value("value", std::string{}) : std::string{};
+  }
+
+  // Our own key as etcd holds it (kv from a read or a watch event; null: the
+  // key is gone). Anything but the value we wrote, under our lease, is
+  // someone else's write (anyone with access to etcd may write there): it is
+  // replaced by our signed entry at once, so that the name stays resolvable
+  // by every engine that shares the secret.
+  void check_own_key(const nlohmann::json* kv) {
+    if (stopped_ || lease_ == 0 || published_.empty()) return;
+    std::string how;
+    if (kv == nullptr) {
+      how = "deleted";
+    } else {
+      const auto v = detail::http::base64_decode(kv_value(*kv));
+      const bool ours = v && (*v == published_ || *v == want_);
+      if (!ours) {
+        how = "overwritten";
+      } else if (detail::json_int64(*kv, "lease") != lease_) {
+        how = "detached from its lease";
+      }
+    }
+    if (how.empty()) return;
+    detail::log("{}: the entry of \"{}\" was {} by someone else: publishing its signed entry again",
+                o_.url, o_.self_name, how);
+    published_.clear();
+    wake_.cancel();
   }
 
   asio::awaitable<std::error_code> put(detail::etcd_client& c, const std::string& value,
@@ -613,6 +650,18 @@ class etcd_metadata final : public metadata_backend,
             continue;
           }
           self->next_keepalive_ = std::chrono::steady_clock::now() + self->o_.ttl / 3;
+          // Following nobody, it has no watch to see its own key change:
+          // it looks at it with each keepalive (a TTL/3 apart).
+          if (!self->o_.follow) {
+            const nlohmann::json range{{"key", detail::http::base64_encode(detail::key_of(
+                                                   self->o_.prefix, self->o_.self_name))}};
+            nlohmann::json got;
+            if (!co_await self->client_.call("/v3/kv/range", range, got, what)) {
+              const auto kvs = got.value("kvs", nlohmann::json::array());
+              self->check_own_key(kvs.empty() ? nullptr : &kvs[0]);
+              if (self->published_ != self->want_) continue;
+            }
+          }
         }
       }
       if (self->stopped_) break;
@@ -646,14 +695,18 @@ class etcd_metadata final : public metadata_backend,
       std::error_code ec = co_await self->client_.call("/v3/kv/range", range, out, what);
       if (!ec && !self->stopped_) {
         std::set<std::string> present;
-        for (const auto& kv : out.value("kvs", nlohmann::json::array())) {
+        const nlohmann::json* own = nullptr;
+        const auto kvs = out.value("kvs", nlohmann::json::array());
+        for (const auto& kv : kvs) {
           std::string name;
           std::string value;
           if (self->read_kv(kv, name, value)) {
             present.insert(name);
+            if (name == self->o_.self_name) own = &kv;
             self->dir_.put(name, std::move(value));
           }
         }
+        self->check_own_key(own);
         self->dir_.mark_missing(present);
         if (self->dir_.any_missing()) self->arm_sweep();
         const std::int64_t rev =
@@ -706,7 +759,9 @@ class etcd_metadata final : public metadata_backend,
       const auto key = detail::http::base64_decode(kv.value("key", std::string{}));
       if (!key || key->rfind(o_.prefix, 0) != 0) continue;
       const std::string name = key->substr(o_.prefix.size());
-      if (ev.value("type", std::string{"PUT"}) == "DELETE") {
+      const bool deleted = ev.value("type", std::string{"PUT"}) == "DELETE";
+      if (name == o_.self_name) check_own_key(deleted ? nullptr : &kv);
+      if (deleted) {
         dir_.remove(name);
         continue;
       }

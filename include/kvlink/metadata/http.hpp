@@ -26,6 +26,7 @@
 #include <kvlink/control/descriptor.hpp>
 #include <kvlink/control/guard.hpp>
 #include <kvlink/core/error.hpp>
+#include <kvlink/detail/coroutines.hpp>
 #include <kvlink/detail/log.hpp>
 #include <kvlink/metadata/backend.hpp>
 #include <kvlink/metadata/http_client.hpp>
@@ -181,8 +182,8 @@ class http_metadata final : public metadata_backend,
           }
           self->followed_.insert(name);
           self->dir_.put(name, resp.body);
-          const std::error_code dec = self->dir_.to_resolved(resp.body, rp);
-          h(dec ? std::error_code{errc::name_not_found} : std::error_code{}, std::move(rp));
+          const std::error_code dec = self->dir_.lookup(name, resp.body, rp);
+          h(dec, std::move(rp));  // rp filled first
         },
         asio::detached);
   }

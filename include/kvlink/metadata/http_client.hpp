@@ -17,6 +17,7 @@
 #pragma once
 
 #include <kvlink/core/error.hpp>
+#include <kvlink/detail/coroutines.hpp>
 #include <kvlink/detail/text.hpp>
 
 #include <algorithm>

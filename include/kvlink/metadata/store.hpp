@@ -198,6 +198,23 @@ class peer_directory {
     return {};
   }
 
+  /// A lookup of `name` that read `value` from the store itself: the peer,
+  /// or unsigned_entry (a secret is set and the value is not signed with it:
+  /// said once, with the name) or name_not_found (not a kvlink descriptor).
+  std::error_code lookup(const std::string& name, std::string_view value, resolved_peer& out) {
+    const std::error_code ec = to_resolved(value, out);
+    if (!ec) return {};
+    if (ec == errc::authentication_failed) {
+      complain(name,
+               "the published entry for " + name +
+                   " is not signed with this cluster's secret (auth_secret): it was not used; "
+                   "lookups fail with unsigned_entry until its owner, if alive, publishes its "
+                   "signed entry again (within metadata_lease_ttl)");
+      return errc::unsigned_entry;
+    }
+    return errc::name_not_found;
+  }
+
   /// After a full read of the store: names that were not in it are marked
   /// missing (and removed by sweep_missing() if they stay away).
   void mark_missing(const std::set<std::string>& present) {

@@ -17,6 +17,7 @@
 // the endpoint. TLS 1.2 or later.
 #pragma once
 
+#include <kvlink/detail/coroutines.hpp>
 #include <kvlink/metadata/http_client.hpp>
 
 #include <memory>

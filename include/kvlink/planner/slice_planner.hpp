@@ -499,4 +499,49 @@ inline std::string_view explain_plan_error(std::span<const plan_request> request
   return why != nullptr ? std::string_view{why} : std::string_view{};
 }
 
+/// A range of memory one request of a transfer writes: a WRITE's range in a
+/// peer's segment (`space` names the peer, `segment` the segment) or a READ's
+/// local range (space 0, segment 0, `offset` the address).
+struct destination_range {
+  std::uintptr_t space = 0;
+  std::uint64_t segment = 0;
+  std::uint64_t offset = 0;
+  std::uint64_t length = 0;
+};
+
+/// The rule for one transfer's requests: no two of them write the same byte.
+/// Its slices run concurrently, on several lanes and peers, so bytes two
+/// requests both wrote would hold whichever landed last; the engine refuses
+/// such a batch (errc::overlapping_destinations) before anything moves.
+/// Sources may overlap (the same local bytes written to two places, the same
+/// remote bytes read twice), and ranges may touch. Whether two of `ranges`
+/// share a byte; sorts `ranges` unless they are in order already (as the KV
+/// layer emits them): O(n) then, O(n log n) otherwise. At 10^5 requests
+/// about 0.2 ms in order and 30-70 ms shuffled on this project's loaded
+/// 2-core machine, against about 650 ms for the engine to move 10^5 small
+/// requests. Lengths are at least 1 and ranges do not wrap (the engine
+/// validated them).
+inline bool destinations_overlap(std::span<destination_range> ranges) {
+  if (ranges.size() < 2) return false;
+  const auto before = [](const destination_range& a, const destination_range& b) {
+    if (a.space != b.space) return a.space < b.space;
+    if (a.segment != b.segment) return a.segment < b.segment;
+    return a.offset < b.offset;
+  };
+  // Batches in address order (the KV layer's) need no sort.
+  if (!std::is_sorted(ranges.begin(), ranges.end(), before)) {
+    std::sort(ranges.begin(), ranges.end(), before);
+  }
+  for (std::size_t i = 1; i < ranges.size(); ++i) {
+    const auto& a = ranges[i - 1];
+    const auto& b = ranges[i];
+    // Sorted by start: a range overlaps an earlier one iff it overlaps its
+    // predecessor, given no earlier pair overlaps (checked in order).
+    if (a.space == b.space && a.segment == b.segment && b.offset - a.offset < a.length) {
+      return true;
+    }
+  }
+  return false;
+}
+
 }  // namespace kvlink

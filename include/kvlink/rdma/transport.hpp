@@ -43,6 +43,7 @@
 
 #include <kvlink/control/handshake.hpp>
 #include <kvlink/control/message.hpp>
+#include <kvlink/detail/coroutines.hpp>
 #include <kvlink/detail/log.hpp>
 #include <kvlink/rdma/config.hpp>
 #include <kvlink/rdma/device.hpp>

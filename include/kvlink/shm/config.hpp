@@ -16,6 +16,18 @@ struct shm_config {
   /// Copy lanes per peer: each a strand of its own, so an io_context run by
   /// N threads copies on up to min(N, lanes) cores.
   std::uint32_t lanes = 2;
+  /// Bytes one copy call moves at most (one process_vm_writev/readv, one
+  /// memcpy): a lane looks at cancellation and deadlines between calls, so
+  /// this bounds how much a stopped transfer still copies (a few ms at
+  /// memcpy speed), at the price of a call per max_copy bytes.
+  std::uint64_t max_copy = std::uint64_t{4} << 20;
+  /// A peer's segment in shared memory (shm::shared_memory) up to this size
+  /// is mapped with its page tables filled (MAP_POPULATE), once, when the
+  /// first transfer leases it: the first copy into it then runs at memcpy
+  /// speed instead of about 1-2 GB/s of page faults (0.16-0.2 s per GiB
+  /// here). Zero: never. The same bound is shared_memory::allocate's default
+  /// for pre-faulting its own pages.
+  std::uint64_t prefault = std::uint64_t{1} << 30;
 
   friend bool operator==(const shm_config&, const shm_config&) = default;
 };
@@ -24,6 +36,14 @@ inline constexpr std::array shm_settings{
     setting_row<shm_config>{"shm_lanes", "KVLINK_SHM_LANES", setting_kind::count,
                             &shm_config::lanes,
                             "same-host copy lanes per peer; slices are striped over them"},
+    setting_row<shm_config>{"shm_max_copy", "KVLINK_SHM_MAX_COPY", setting_kind::size,
+                            &shm_config::max_copy,
+                            "bytes one same-host copy call moves at most; cancellation and "
+                            "deadlines take effect between calls"},
+    setting_row<shm_config>{"shm_prefault", "KVLINK_SHM_PREFAULT", setting_kind::size,
+                            &shm_config::prefault,
+                            "a peer's shared-memory segment up to this size is mapped with its "
+                            "pages pre-faulted (0: never)"},
 };
 
 /// The same-host transport's own rules; the first broken one is
@@ -32,6 +52,7 @@ inline std::error_code validate(const shm_config& c, std::string* what = nullptr
   using detail::fail;
   if (c.lanes == 0) return fail(what, "shm_lanes: must be at least 1");
   if (c.lanes > 64) return fail(what, "shm_lanes: at most 64");
+  if (c.max_copy < 4096) return fail(what, "shm_max_copy: at least 4 KiB");
   return {};
 }
 

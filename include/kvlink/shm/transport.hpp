@@ -34,12 +34,14 @@
 #include <kvlink/control/message.hpp>
 #include <kvlink/core/error.hpp>
 #include <kvlink/core/segment_registry.hpp>
+#include <kvlink/detail/coroutines.hpp>
 #include <kvlink/detail/log.hpp>
 #include <kvlink/shm/cma.hpp>
 #include <kvlink/shm/config.hpp>
 #include <kvlink/shm/memory.hpp>
 #include <kvlink/transport/transport.hpp>
 
+#include <algorithm>
 #include <array>
 #include <atomic>
 #include <climits>
@@ -99,18 +101,22 @@ struct copy_item {
 
 /// A copy lane: runs the batches its path hands it on a strand of its own,
 /// one process_vm_{read,write}v per run of up to IOV_MAX slices of one
-/// direction, and reports them in one go.
+/// direction and at most `max_copy` bytes (a larger slice takes several
+/// calls; memcpy likewise), and reports them in one go. Cancellation and
+/// deadlines are looked at between calls, so a stopped transfer copies at
+/// most about `max_copy` bytes per lane after it was stopped.
 class lane : public std::enable_shared_from_this<lane> {
  public:
   using fatal_fn = std::function<void(std::error_code)>;
 
   lane(asio::any_io_executor ex, transport_host& host, std::shared_ptr<peer_process_state> peer,
-       fatal_fn on_fatal)
+       fatal_fn on_fatal, std::uint64_t max_copy = shm_config{}.max_copy)
       : ex_(std::move(ex)),
         host_(host),
         keep_(host.keep_alive()),
         peer_(std::move(peer)),
-        on_fatal_(std::move(on_fatal)) {}
+        on_fatal_(std::move(on_fatal)),
+        max_copy_(std::max<std::uint64_t>(max_copy, 1)) {}
 
   const asio::any_io_executor& get_executor() const noexcept { return ex_; }
 
@@ -131,17 +137,19 @@ class lane : public std::enable_shared_from_this<lane> {
       }
       if (const auto& m = batch[i].map) {
         const auto& s = batch[i].s;
-        if (host_.stopping(s.op)) {
-          done.push_back({s.op, 0, errc::cancelled});
-        } else {
-          std::byte* there = m->segment() + s.offset;
+        // In pieces of max_copy: a transfer stopped meanwhile copies no more.
+        std::byte* there = m->segment() + s.offset;
+        std::uint64_t off = 0;
+        while (off < s.length && !host_.stopping(s.op)) {
+          const auto n = static_cast<std::size_t>(std::min(max_copy_, s.length - off));
           if (s.kind == opcode::read) {
-            std::memcpy(s.local, there, s.length);
+            std::memcpy(s.local + off, there + off, n);
           } else {
-            std::memcpy(there, s.local, s.length);
+            std::memcpy(there + off, s.local + off, n);
           }
-          done.push_back({s.op, s.length, {}});
+          off += n;
         }
+        done.push_back({s.op, off, off == s.length ? std::error_code{} : errc::cancelled});
         ++i;
         continue;
       }
@@ -151,6 +159,54 @@ class lane : public std::enable_shared_from_this<lane> {
   }
 
  private:
+  static std::error_code call_error(int err) {
+    return err == ESRCH   ? std::error_code(errc::peer_closed)
+           : err == EPERM ? std::error_code(errc::transport_unavailable)
+                          : std::error_code(err, std::system_category());
+  }
+
+  void call_failed(int err, std::error_code ec) {
+    if (err == EPERM) detail::log("shm: {}", cma::refusal_reason(err, peer_->pid));
+    if (err == ESRCH || err == EPERM) fatal(ec);
+  }
+
+  // One slice larger than max_copy: a call per max_copy bytes, looking at
+  // cancellation between them.
+  void copy_large(const copy_item& item, std::vector<slice_report>& done) {
+    const auto& s = item.s;
+    const auto dir = s.kind == opcode::read ? cma::direction::read : cma::direction::write;
+    std::uint64_t off = 0;
+    while (off < s.length) {
+      if (peer_->failed.load(std::memory_order_acquire)) {
+        done.push_back({s.op, off, static_cast<errc>(peer_->failure.load())});
+        return;
+      }
+      if (host_.stopping(s.op)) {
+        done.push_back({s.op, off, errc::cancelled});
+        return;
+      }
+      const auto n = static_cast<std::size_t>(std::min(max_copy_, s.length - off));
+      iovec local{s.local + off, n};
+      iovec remote{reinterpret_cast<void*>(static_cast<std::uintptr_t>(item.remote + off)), n};
+      const ssize_t got = cma::copy(static_cast<pid_t>(peer_->pid), dir, &local, 1, &remote, 1);
+      if (got < 0 && errno == EINTR) continue;
+      if (got < 0 && errno != EFAULT) {
+        const int err = errno;
+        const auto ec = call_error(err);
+        done.push_back({s.op, off, ec});
+        call_failed(err, ec);
+        return;
+      }
+      if (got <= 0 || static_cast<std::size_t>(got) < n) {  // a fault inside this piece
+        done.push_back({s.op, off + static_cast<std::uint64_t>(std::max<ssize_t>(got, 0)),
+                        fault_in(s, item.remote, dir)});
+        return;
+      }
+      off += n;
+    }
+    done.push_back({s.op, s.length, {}});
+  }
+
   // Copies slices from `first` on, as many of one direction as one call
   // takes; returns where the next run starts.
   std::size_t copy_run(const std::vector<copy_item>& batch, std::size_t first,
@@ -160,6 +216,7 @@ class lane : public std::enable_shared_from_this<lane> {
     std::array<iovec, cma::max_iov> remote{};
     std::array<std::size_t, cma::max_iov> which{};
     std::size_t n = 0;
+    std::uint64_t bytes = 0;
     std::size_t i = first;
     for (; i < batch.size() && n < cma::max_iov && batch[i].s.kind == kind && !batch[i].map; ++i) {
       const auto& s = batch[i].s;
@@ -167,6 +224,13 @@ class lane : public std::enable_shared_from_this<lane> {
         done.push_back({s.op, 0, errc::cancelled});
         continue;
       }
+      if (s.length > max_copy_) {
+        if (n > 0) break;  // after this run
+        copy_large(batch[i], done);
+        return i + 1;
+      }
+      if (n > 0 && bytes + s.length > max_copy_) break;  // the next run
+      bytes += s.length;
       local[n] = iovec{s.local, static_cast<std::size_t>(s.length)};
       remote[n] = iovec{reinterpret_cast<void*>(static_cast<std::uintptr_t>(batch[i].remote)),
                         static_cast<std::size_t>(s.length)};
@@ -180,14 +244,9 @@ class lane : public std::enable_shared_from_this<lane> {
       if (got < 0 && errno == EINTR) continue;
       if (got < 0 && errno != EFAULT) {
         const int err = errno;
-        const std::error_code ec = err == ESRCH   ? std::error_code(errc::peer_closed)
-                                   : err == EPERM ? std::error_code(errc::transport_unavailable)
-                                                  : std::error_code(err, std::system_category());
-        if (err == EPERM) {
-          detail::log("shm: {}", cma::refusal_reason(err, peer_->pid));
-        }
+        const std::error_code ec = call_error(err);
         for (; k < n; ++k) done.push_back({batch[which[k]].s.op, 0, ec});
-        if (err == ESRCH || err == EPERM) fatal(ec);
+        call_failed(err, ec);
         break;
       }
       // Whole slices first; the one a fault stopped at failed.
@@ -243,6 +302,7 @@ class lane : public std::enable_shared_from_this<lane> {
   std::shared_ptr<transport_host> keep_;
   std::shared_ptr<peer_process_state> peer_;
   fatal_fn on_fatal_;
+  std::uint64_t max_copy_;
 };
 
 /// The data path to one peer on this host, on the engine's strand: leases
@@ -253,8 +313,11 @@ class path final : public data_path, public std::enable_shared_from_this<path> {
        std::shared_ptr<peer_process_state> peer)
       : ex_(std::move(ex)), host_(host), ctx_(std::move(ctx)), peer_(std::move(peer)) {}
 
-  /// Makes the lanes (before the path is used).
-  void open(std::uint32_t count, const std::function<asio::any_io_executor()>& strand) {
+  /// Makes the lanes (before the path is used); `cfg` gives the bytes per
+  /// copy call and the pre-fault bound.
+  void open(std::uint32_t count, const std::function<asio::any_io_executor()>& strand,
+            const shm_config& cfg = {}) {
+    cfg_ = cfg;
     for (std::uint32_t i = 0; i < count; ++i) {
       // A lane that finds the peer gone tells the path on the engine's strand.
       auto fatal = [w = weak_from_this(), ex = ex_](std::error_code ec) {
@@ -262,7 +325,8 @@ class path final : public data_path, public std::enable_shared_from_this<path> {
           if (auto self = w.lock()) self->fail(ec);
         });
       };
-      lanes_.push_back(std::make_shared<lane>(strand(), host_, peer_, std::move(fatal)));
+      lanes_.push_back(
+          std::make_shared<lane>(strand(), host_, peer_, std::move(fatal), cfg.max_copy));
     }
     weights_.assign(lanes_.size(), 1.0);
     outbox_.resize(lanes_.size());
@@ -326,7 +390,8 @@ class path final : public data_path, public std::enable_shared_from_this<path> {
     return !lanes_.empty();  // batches posted to lanes finish on their own
   }
 
-  /// A copy cannot be interrupted; each ends within one kernel call.
+  /// A copy cannot be interrupted; each ends within one call of at most
+  /// shm_max_copy bytes, after which the lane sees the transfer stopping.
   void fence(const detail::transfer_op* op, std::error_code ec) override {
     (void)op;
     (void)ec;
@@ -503,7 +568,11 @@ class path final : public data_path, public std::enable_shared_from_this<path> {
                 ? PROT_READ | PROT_WRITE
                 : PROT_READ;
         const std::size_t len = static_cast<std::size_t>(off - start + l.length);
-        void* p = ::mmap(nullptr, len, prot, MAP_SHARED, local, static_cast<off_t>(start));
+        // Page tables filled now, once, rather than a fault per page in the
+        // first copies (shm_prefault).
+        const int populate = l.length <= cfg_.prefault ? MAP_POPULATE : 0;
+        void* p =
+            ::mmap(nullptr, len, prot, MAP_SHARED | populate, local, static_cast<off_t>(start));
         if (p == MAP_FAILED) {
           why = fmt::format("mmap: {}", std::strerror(errno));
         } else {
@@ -558,6 +627,7 @@ class path final : public data_path, public std::enable_shared_from_this<path> {
   transport_host& host_;
   path_context ctx_;
   std::shared_ptr<peer_process_state> peer_;
+  shm_config cfg_;
   std::vector<std::shared_ptr<lane>> lanes_;
   std::vector<double> weights_;
   std::vector<std::vector<copy_item>> outbox_;
@@ -650,7 +720,8 @@ class transport final : public kvlink::transport, public std::enable_shared_from
     const auto pid = ctx.entry.value("pid", std::int64_t{0});
     auto peer = std::make_shared<peer_process_state>(pid);
     auto p = std::make_shared<path>(env_.executor, *env_.host, std::move(ctx), std::move(peer));
-    p->open(cfg_.lanes, [this] { return env_.io_strand(); });
+    p->open(
+        cfg_.lanes, [this] { return env_.io_strand(); }, cfg_);
     out = std::move(p);
     co_return std::error_code{};
   }

@@ -13,6 +13,7 @@
 #include <kvlink/control/handshake.hpp>
 #include <kvlink/control/socket.hpp>
 #include <kvlink/core/error.hpp>
+#include <kvlink/detail/coroutines.hpp>
 #include <kvlink/tcp/config.hpp>
 #include <kvlink/tcp/lane.hpp>
 #include <kvlink/tcp/lane_server.hpp>

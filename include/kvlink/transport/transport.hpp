@@ -24,6 +24,7 @@
 #include <kvlink/core/instance.hpp>
 #include <kvlink/core/segment_registry.hpp>
 #include <kvlink/core/types.hpp>
+#include <kvlink/detail/coroutines.hpp>
 #include <kvlink/memory/device.hpp>
 #include <kvlink/memory/staging.hpp>
 

@@ -23,3 +23,13 @@ TEST_CASE("every errc has its own, non-generic message") {
   CHECK(kvlink::make_error_code(static_cast<kvlink::errc>(999)).message() ==
         "unknown kvlink error");
 }
+
+TEST_CASE("errc values are stable: new codes are appended") {
+  // Peers send these numbers (shm refusals, TCP acknowledgements).
+  CHECK(static_cast<int>(kvlink::errc::not_registered) == 1);
+  CHECK(static_cast<int>(kvlink::errc::name_not_found) == 23);
+  CHECK(static_cast<int>(kvlink::errc::remote_memory_fault) == 24);
+  CHECK(static_cast<int>(kvlink::errc::overlapping_destinations) == 25);
+  CHECK(static_cast<int>(kvlink::errc::unsigned_entry) == 26);
+  CHECK(kvlink::errc_last == kvlink::errc::unsigned_entry);
+}

@@ -328,6 +328,49 @@ TEST_CASE(
   CHECK(*twice == kvlink::errc::not_registered);
 }
 
+TEST_CASE("overlapping destinations in one batch are refused before anything moves") {
+  rig r;
+  fill(r.local_mem, 21);
+  fill(r.remote_mem, 22);
+  const auto local_before = r.local_mem;
+  const auto remote_before = r.remote_mem;
+  SUBCASE("two WRITEs into overlapping remote ranges (one byte)") {
+    auto out = r.run({r.req(opcode::write, 0, 0, 4096), r.req(opcode::write, 8192, 4095, 100)});
+    CHECK(out.ec == kvlink::errc::overlapping_destinations);
+    CHECK(out.ec.message().find("write the same bytes") != std::string::npos);
+    CHECK(out.result.bytes == 0);
+  }
+  SUBCASE("two READs into overlapping local memory, not adjacent in the batch") {
+    auto out = r.run({r.req(opcode::read, 0, 0, 4096), r.req(opcode::read, 65536, 0, 10),
+                      r.req(opcode::read, 100, 8192, 10)});
+    CHECK(out.ec == kvlink::errc::overlapping_destinations);
+  }
+  SUBCASE("the same WRITE twice") {
+    auto out = r.run({r.req(opcode::write, 0, 512, 64), r.req(opcode::write, 0, 512, 64)});
+    CHECK(out.ec == kvlink::errc::overlapping_destinations);
+  }
+  CHECK(r.local_mem == local_before);
+  CHECK(r.remote_mem == remote_before);
+}
+
+TEST_CASE("overlapping sources and touching destinations are allowed") {
+  rig r;
+  fill(r.local_mem, 23);
+  fill(r.remote_mem, 24);
+  // One local range written to two places; two remote ranges that touch.
+  auto w = r.run({r.req(opcode::write, 0, 0, 4096), r.req(opcode::write, 0, 4096, 4096)});
+  REQUIRE_MESSAGE(!w.ec, w.ec.message());
+  CHECK(std::memcmp(r.remote_mem.data(), r.local_mem.data(), 4096) == 0);
+  CHECK(std::memcmp(r.remote_mem.data() + 4096, r.local_mem.data(), 4096) == 0);
+  // The same remote bytes read into two places; a WRITE and a READ of the
+  // same remote range write different memory (remote and local).
+  fill(r.remote_mem, 25);
+  auto rd = r.run({r.req(opcode::read, 100000, 0, 4096), r.req(opcode::read, 200000, 0, 4096)});
+  REQUIRE_MESSAGE(!rd.ec, rd.ec.message());
+  CHECK(std::memcmp(r.local_mem.data() + 100000, r.remote_mem.data(), 4096) == 0);
+  CHECK(std::memcmp(r.local_mem.data() + 200000, r.remote_mem.data(), 4096) == 0);
+}
+
 TEST_CASE("connect errors: unreachable, bad address") {
   asio::io_context io;
   kvlink::tcp_engine eng{io.get_executor(), test_config()};

@@ -523,3 +523,33 @@ TEST_CASE("property: one large run per plan uses every lane in proportion") {
     check_plan({req(0, 0, len)}, weights, p);
   }
 }
+
+TEST_CASE("destinations_overlap: a shared byte in one space and segment, never touching ranges") {
+  using kvlink::destination_range;
+  const auto overlap = [](std::vector<destination_range> v) {
+    return kvlink::destinations_overlap(v);
+  };
+  CHECK_FALSE(overlap({}));
+  CHECK_FALSE(overlap({{1, 1, 0, 100}}));
+  CHECK_FALSE(overlap({{1, 1, 100, 100}, {1, 1, 0, 100}}));        // touching
+  CHECK(overlap({{1, 1, 100, 100}, {1, 1, 0, 101}}));              // one byte
+  CHECK(overlap({{1, 1, 0, 1000}, {1, 1, 10, 1}}));                // inside
+  CHECK(overlap({{1, 1, 0, 10}, {1, 1, 20, 5}, {1, 1, 5, 100}}));  // not adjacent in input
+  CHECK(overlap({{1, 1, 7, 3}, {1, 1, 7, 3}}));                    // the same range twice
+  CHECK_FALSE(overlap({{1, 1, 0, 100}, {1, 2, 0, 100}}));          // another segment
+  CHECK_FALSE(overlap({{1, 1, 0, 100}, {2, 1, 0, 100}}));          // another peer
+  CHECK_FALSE(overlap({{0, 0, 0x1000, 16}, {0, 0, 0x1010, 16}}));  // local, touching
+  CHECK(overlap({{0, 0, 0x1000, 17}, {0, 0, 0x1010, 16}}));
+  // A long range that covers a later one that its successor does not.
+  CHECK(overlap({{1, 1, 0, 1000}, {1, 1, 10, 5}, {1, 1, 500, 5}}));
+  CHECK(overlap({{1, 1, ~0ull - 10, 10}, {1, 1, ~0ull - 5, 5}}));  // at the top of the range
+
+  // 10^5 disjoint ranges, shuffled, and one more that overlaps the middle.
+  std::vector<destination_range> many;
+  for (std::uint64_t i = 0; i < 100000; ++i) many.push_back({1, 3, i * 4096, 4096});
+  std::mt19937_64 g{5};
+  std::shuffle(many.begin(), many.end(), g);
+  CHECK_FALSE(overlap(many));
+  many.push_back({1, 3, 50000 * 4096 + 4095, 2});
+  CHECK(overlap(many));
+}

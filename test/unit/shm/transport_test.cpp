@@ -9,6 +9,7 @@
 
 #include <algorithm>
 #include <array>
+#include <atomic>
 #include <cstring>
 #include <fstream>
 #include <functional>
@@ -25,9 +26,14 @@
 #include "../../support/peer_process.hpp"
 #include "../../support/test_support.hpp"
 #include "../../support/two_process_rig.hpp"
+#include <asio/bind_cancellation_slot.hpp>
+#include <asio/cancellation_signal.hpp>
+#include <asio/executor_work_guard.hpp>
 #include <asio/io_context.hpp>
+#include <asio/post.hpp>
 #include <doctest/doctest.h>
 #include <sys/prctl.h>
+#include <sys/uio.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
@@ -574,3 +580,124 @@ TEST_CASE(
 }
 
 }  // namespace
+
+namespace {
+
+// One byte of our own memory read through the kernel (cross-memory attach),
+// not as a C++ read: a lane is writing it concurrently.
+bool landed(const std::byte* p) {
+  std::byte b{};
+  iovec mine{&b, 1};
+  iovec at{const_cast<std::byte*>(p), 1};
+  REQUIRE(::process_vm_readv(::getpid(), &mine, 1, &at, 1, 0) == 1);
+  return b != std::byte{0};
+}
+
+// How far a front-to-back copy of non-zero bytes into zeroed memory got, to
+// a page.
+std::size_t copied_so_far(const std::byte* p, std::size_t size) {
+  constexpr std::size_t page = 4096;
+  std::size_t lo = 0, hi = size / page;  // page lo has landed (or lo == 0), page hi has not
+  if (!landed(p)) return 0;
+  while (hi - lo > 1) {
+    const std::size_t mid = lo + (hi - lo) / 2;
+    (landed(p + mid * page) ? lo : hi) = mid;
+  }
+  return hi * page;
+}
+
+}  // namespace
+
+TEST_CASE("shm: a cancelled transfer stops within about shm_max_copy; nothing lands after it") {
+  // One lane, 1 MiB per copy call, 256 MiB to copy: before the calls were
+  // bounded, cross-memory attach moved up to IOV_MAX slices (1 GiB) in one
+  // call and memcpy a whole slice (here the whole transfer), so the
+  // cancellation was seen only after everything had been copied.
+  constexpr std::size_t total = 256u << 20;
+  constexpr std::uint64_t max_copy = 1u << 20;
+  kvlink::config c;
+  c.transports = "shm";
+  c.fence_timeout = 2s;
+  c.connect_timeout = 5s;
+  c.shm.lanes = 1;
+  c.shm.max_copy = max_copy;
+  std::vector<std::byte> private_dst;
+  kvlink::shm::shared_memory shared_dst;
+  std::byte* dst = nullptr;
+  SUBCASE("private memory: cross-memory attach, 1 MiB slices") {
+    private_dst.resize(total);
+    dst = private_dst.data();
+  }
+  SUBCASE("shared memory: memcpy, one 256 MiB slice") {
+    c.slice_size = total;
+    c.tcp.max_frame_payload = c.slice_size + c.min_chunk;
+    shared_dst = kvlink::shm::shared_memory::allocate(total, kvlink::shm::prefault::yes);
+    dst = shared_dst.data();
+  }
+  REQUIRE(dst != nullptr);
+  std::vector<std::byte> src(total, std::byte{0xAB});
+
+  asio::io_context io;
+  kvlink::engine target{io.get_executor(), c};
+  kvlink::engine initiator{io.get_executor(), c};
+  target.register_segment(dst, total, kvlink::access::remote_read_write);
+  initiator.register_segment(src.data(), total);
+  std::optional<kvlink::peer> peer;
+  initiator.async_connect(target.local_address(), [&](std::error_code ec, kvlink::peer p) {
+    REQUIRE_MESSAGE(!ec, ec.message());
+    peer = p;
+  });
+  REQUIRE(run_until(io, [&] { return peer.has_value(); }));
+  REQUIRE(peer->transport() == "shm");
+
+  // Two threads: one copies on the lane's strand while the other cancels.
+  auto guard = asio::make_work_guard(io);
+  std::vector<std::thread> threads;
+  for (int i = 0; i < 2; ++i) threads.emplace_back([&] { io.run(); });
+  asio::cancellation_signal sig;
+  std::atomic<bool> done{false};
+  std::error_code ec;
+  const std::vector<kvlink::transfer_request> reqs{
+      {opcode::write, src.data(), peer->segment(0), 0, total}};
+  asio::post(io, [&] {
+    initiator.async_submit_transfer(
+        reqs,
+        asio::bind_cancellation_slot(sig.slot(), [&](std::error_code e, kvlink::transfer_result) {
+          ec = e;
+          done.store(true, std::memory_order_release);
+        }));
+  });
+  const auto limit = std::chrono::steady_clock::now() + 20s;
+  while (!landed(dst) && std::chrono::steady_clock::now() < limit) std::this_thread::yield();
+  REQUIRE(landed(dst));
+  std::promise<std::size_t> at_cancel;
+  asio::post(io, [&] {
+    at_cancel.set_value(copied_so_far(dst, total));
+    sig.emit(asio::cancellation_type::terminal);
+  });
+  const std::size_t before = at_cancel.get_future().get();
+  while (!done.load(std::memory_order_acquire) && std::chrono::steady_clock::now() < limit) {
+    std::this_thread::sleep_for(1ms);
+  }
+  REQUIRE(done.load(std::memory_order_acquire));
+  const auto count = [&] {
+    return static_cast<std::size_t>(
+        std::count_if(dst, dst + total, [](std::byte b) { return b != std::byte{0}; }));
+  };
+  const std::size_t at_handler = count();
+  std::this_thread::sleep_for(100ms);
+  const std::size_t later = count();
+  guard.reset();
+  io.stop();
+  for (auto& t : threads) t.join();
+
+  MESSAGE("copied when cancelled: " << before << " B, when the handler ran: " << at_handler
+                                    << " B, of " << total << " B");
+  CHECK(ec == kvlink::errc::cancelled);
+  CHECK(later == at_handler);  // the handler is the fence
+  CHECK(at_handler < total);
+  // One call of max_copy in flight when the lane saw it, plus what it copied
+  // while the cancelling thread was being scheduled (generous: a loaded
+  // 2-core machine).
+  CHECK(at_handler - std::min(at_handler, before) <= 16 * max_copy);
+}
