@@ -5,6 +5,13 @@
 // process (a probe read at connect time); otherwise the reason says which
 // of these failed, and the next transport (TCP) carries the data.
 //
+// Device memory (with a device runtime, env.device): a peer's device
+// allocation is imported here and reached with our runtime's streams, one
+// per device and lane (H2D, D2H, D2D); our device memory reaches the peer's
+// private host memory through pinned chunks (device copy, then cross-memory
+// attach; or the reverse), its shared memory with a stream copy into the
+// mapping. A slice is reported only once its copy completed.
+//
 // Why cross-memory attach and not shared-memory segments: it reaches memory
 // the user already has (a torch tensor, a vLLM KV cache pool) with no
 // allocator of ours, at the speed of one memcpy (README: "Same-host
@@ -15,11 +22,17 @@
 //   target -> initiator  {"op":"proved","at":<address of the nonce in its memory>}
 //     the initiator reads it there: the pid it will write to is the peer's
 //     process, not one a hostile descriptor named;
-//   initiator -> target  {"op":"lease","segment":id}
-//   target -> initiator  {"op":"granted","segment":id,"base":..,"length":..,"access":"rw"}
-//                      | {"op":"refused","segment":id,"error":<errc>}
+//   initiator -> target  {"op":"lease","segment":id[,"device":"<its runtime>"]}
+//   target -> initiator  {"op":"granted","segment":id,"base":..,"length":..,"access":"rw"
+//                         [,"fd":..,"fd_offset":..,"dev":..,"ino":..]   (shared memory)
+//                         [,"device":{...}]}                           (device memory)
+//                      | {"op":"refused","segment":id,"error":<errc>[,"why":"..."]}
 //     a granted lease pins the segment on the target (unregistration waits
-//     for it) until the initiator gives it back;
+//     for it) until the initiator gives it back; a device segment is granted
+//     only to a peer with the same device runtime, with its allocation's
+//     export (shm/device.hpp), which the initiator imports and copies to
+//     with its runtime's streams (a grant it cannot use it gives back at
+//     once, "released");
 //   target -> initiator  {"op":"release","segment":id}   (it is being unregistered)
 //   initiator -> target  {"op":"released","segment":id}  once no copy of its
 //     lanes touches the segment any more.
