@@ -18,6 +18,7 @@
 #include <string>
 #include <vector>
 
+#include <asio/executor_work_guard.hpp>
 #include <asio/io_context.hpp>
 
 namespace kvlink_test {
@@ -64,6 +65,9 @@ inline std::error_code device_copy(kvlink::device_runtime& rt, std::int32_t devi
   auto s = rt.open_stream(device, io.get_executor(), ec, what);
   if (!s) return ec;
   std::optional<std::error_code> done;
+  // The completion comes from the stream's thread: without work the
+  // io_context would stop before it is posted, and never run it.
+  auto work = asio::make_work_guard(io);
   s->async_copy(dst, {}, src, {}, n, [&](std::error_code e) { done = e; });
   // The stream keeps the io_context's work count up until `done` ran.
   io.run();

@@ -3,6 +3,7 @@
 //
 //   kvlink_test_peer [--size BYTES] [--seed N] [--access rw|r|w]
 //                    [--config JSON] [--nofile N] [--user UID] [--shared 0|1]
+//                    [--device 0|1]
 //
 // Starts a tcp_engine on 127.0.0.1:0, registers one segment of --size bytes
 // (default 80 MiB) filled with the pattern of --seed (default 1), granted as
@@ -33,7 +34,9 @@
 // address of 127.0.0.1:0; --nofile: the process's file descriptor limit;
 // --user: run as that user id (and group id) from the start, for a test run
 // as root that needs a peer of another user; --shared 1: the segment is
-// kvlink::shm::shared_memory (a same-host peer maps it).
+// kvlink::shm::shared_memory (a same-host peer maps it); --device 1: the
+// segment is device memory (device 0) of the runtime config.device names
+// ("emulated"), filled and checked through its copy engine.
 //
 // EOF on stdin: the engine is destroyed and the process exits 0. Exit 1 on a
 // set-up failure, 2 on bad arguments.
@@ -64,6 +67,7 @@
 #include <thread>
 #include <vector>
 
+#include "device_memory.hpp"
 #include "process_stats.hpp"
 #include "test_support.hpp"
 #include <asio/executor_work_guard.hpp>
@@ -126,6 +130,34 @@ void push_forever(kvlink::tcp_engine& engine, kvlink::peer p, std::byte* mem, st
 // The peer CONNECT reached (io thread only).
 std::optional<kvlink::peer> connected;
 
+// --device 1: the runtime whose device memory the segment is (null: host
+// memory), reached only through its copy engine.
+std::shared_ptr<kvlink::device_runtime> device_rt;
+
+// Bytes [off, off + len) of the segment, as host bytes.
+std::vector<std::byte> segment_bytes(std::span<std::byte> mem, std::uint64_t off,
+                                     std::uint64_t len) {
+  std::vector<std::byte> out(len);
+  if (!device_rt) {
+    std::memcpy(out.data(), mem.data() + off, len);
+  } else if (auto ec = kvlink_test::device_copy(*device_rt, 0, out.data(), mem.data() + off, len)) {
+    throw std::system_error(ec, "device copy of the segment");
+  }
+  return out;
+}
+
+void fill_segment(std::span<std::byte> mem, std::uint64_t seed) {
+  if (!device_rt) {
+    fill_pattern(mem.data(), mem.size(), seed, 0);
+    return;
+  }
+  std::vector<std::byte> host(mem.size());
+  fill_pattern(host.data(), host.size(), seed, 0);
+  if (auto ec = kvlink_test::device_copy(*device_rt, 0, mem.data(), host.data(), host.size())) {
+    throw std::system_error(ec, "device copy into the segment");
+  }
+}
+
 // Answers the commands that wait for the engine through `reply`, later;
 // false for the others (answer() does those).
 bool answer_later(const std::string& line, std::span<std::byte> mem, kvlink::tcp_engine& engine,
@@ -178,7 +210,8 @@ std::string answer(const std::string& line, std::span<std::byte> mem,
     std::uint64_t off = 0, len = 0, seed = 0;
     if (!(in >> off >> len >> seed)) return "ERR CHECK needs <offset> <length> <seed>";
     if (off > mem.size() || len > mem.size() - off) return "ERR range outside the segment";
-    if (const auto bad = pattern_mismatch(mem.data() + off, len, seed, off)) {
+    const auto bytes = segment_bytes(mem, off, len);
+    if (const auto bad = pattern_mismatch(bytes.data(), len, seed, off)) {
       return "BAD " + std::to_string(off + *bad);
     }
     return "OK";
@@ -216,7 +249,7 @@ std::string answer(const std::string& line, std::span<std::byte> mem,
   if (verb == "FILL") {
     std::uint64_t seed = 0;
     if (!(in >> seed)) return "ERR FILL needs <seed>";
-    fill_pattern(mem.data(), mem.size(), seed, 0);
+    fill_segment(mem, seed);
     return "OK";
   }
   return "ERR unknown command '" + verb + "'";
@@ -230,6 +263,7 @@ int main(int argc, char** argv) {
   kvlink::access granted = kvlink::access::remote_read_write;
   kvlink::config cfg{.listen = "127.0.0.1:0"};
   bool shared = false;
+  bool device = false;
   for (int i = 1; i < argc; i += 2) {  // every option takes a value
     const std::string arg = argv[i];
     const char* value = i + 1 < argc ? argv[i + 1] : nullptr;
@@ -258,6 +292,10 @@ int main(int argc, char** argv) {
       std::uint64_t v = 0;
       if (!parse_u64(value, v) || v > 1) return usage("--shared needs 0 or 1");
       shared = v == 1;
+    } else if (arg == "--device") {
+      std::uint64_t v = 0;
+      if (!parse_u64(value, v) || v > 1) return usage("--device needs 0 or 1");
+      device = v == 1;
     } else if (arg == "--user") {
       std::uint64_t uid = 0;
       if (!parse_u64(value, uid)) return usage("--user needs a user id");
@@ -286,14 +324,23 @@ int main(int argc, char** argv) {
     // which a same-host peer maps instead of attaching to our process.
     std::vector<std::byte> private_mem;
     kvlink::shm::shared_memory shared_mem;
-    if (shared) {
+    std::optional<kvlink::device_buffer> device_mem;
+    std::span<std::byte> mem;
+    if (device) {
+      device_rt = kvlink::device_catalog::global().find(cfg.device.runtime);
+      if (!device_rt) {
+        return usage("--device 1 needs config.device naming a runtime (\"emulated\")");
+      }
+      device_mem.emplace(device_rt, 0, size);
+      mem = std::span<std::byte>(device_mem->data(), size);
+    } else if (shared) {
       shared_mem = kvlink::shm::shared_memory::allocate(size);
+      mem = std::span<std::byte>(shared_mem.data(), size);
     } else {
       private_mem.resize(size);
+      mem = std::span<std::byte>(private_mem);
     }
-    const std::span<std::byte> mem =
-        shared ? std::span<std::byte>(shared_mem.data(), size) : std::span<std::byte>(private_mem);
-    fill_pattern(mem.data(), mem.size(), seed, 0);
+    fill_segment(mem, seed);
     std::list<std::vector<std::byte>> more;  // segments REG adds; outlive the engine
 
     asio::io_context io;
@@ -327,6 +374,8 @@ int main(int argc, char** argv) {
     runner.join();
     connected.reset();  // nothing runs the io_context any more
     engine.reset();
+    device_mem.reset();
+    device_rt.reset();
     return 0;
   } catch (const std::exception& e) {
     std::fprintf(stderr, "kvlink_test_peer: %s\n", e.what());

@@ -37,12 +37,14 @@ struct rig {
   kvlink::peer peer;
   kvlink::remote_segment remote;  // kept: a dead peer's segment list may be gone
 
-  /// `extra`: more arguments for the child (kvlink_test_peer --shared 1).
+  /// `extra`: more arguments for the child (kvlink_test_peer --shared 1);
+  /// `device`: this engine's config.device (empty: the default).
   explicit rig(const std::string& access = "rw", std::uint64_t seed = 1,
-               const std::string& transports = "tcp", std::vector<std::string> extra = {})
+               const std::string& transports = "tcp", std::vector<std::string> extra = {},
+               const std::string& device = {})
       : child(child_args(access, seed, transports, std::move(extra))),
         local_mem(segment_size),
-        engine(io.get_executor(), config(transports)) {
+        engine(io.get_executor(), config(transports, device)) {
     engine.register_segment(local_mem.data(), local_mem.size(), kvlink::access::none);
     std::optional<std::pair<std::error_code, kvlink::peer>> out;
     engine.async_connect(child.address(),
@@ -65,9 +67,10 @@ struct rig {
     return a;
   }
 
-  static kvlink::config config(const std::string& transports) {
+  static kvlink::config config(const std::string& transports, const std::string& device = {}) {
     kvlink::config c;
     c.transports = transports;
+    if (!device.empty()) c.device.runtime = device;
     c.fence_timeout = 500ms;
     c.transfer_deadline =
         0ms;  // a loaded machine must not fail a transfer; run_until bounds the wait

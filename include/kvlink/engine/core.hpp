@@ -1062,6 +1062,7 @@ class engine_core final : public transport_host,
       p->control->close(errc::cancelled);
       co_return errc::cancelled;
     }
+    if (auto note = path->note(); !note.empty()) p->transport_reason += "; " + note;
     p->path = std::move(path);
     peers_.emplace(p->id.value(), p);
     p->path->start();

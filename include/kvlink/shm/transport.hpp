@@ -5,6 +5,13 @@
 // process (a probe read at connect time); otherwise the reason says which
 // of these failed, and the next transport (TCP) carries the data.
 //
+// Device memory (with a device runtime, env.device): a peer's device
+// allocation is imported here and reached with our runtime's streams, one
+// per device and lane (H2D, D2H, D2D); our device memory reaches the peer's
+// private host memory through pinned chunks (device copy, then cross-memory
+// attach; or the reverse), its shared memory with a stream copy into the
+// mapping. A slice is reported only once its copy completed.
+//
 // Why cross-memory attach and not shared-memory segments: it reaches memory
 // the user already has (a torch tensor, a vLLM KV cache pool) with no
 // allocator of ours, at the speed of one memcpy (README: "Same-host
@@ -15,11 +22,17 @@
 //   target -> initiator  {"op":"proved","at":<address of the nonce in its memory>}
 //     the initiator reads it there: the pid it will write to is the peer's
 //     process, not one a hostile descriptor named;
-//   initiator -> target  {"op":"lease","segment":id}
-//   target -> initiator  {"op":"granted","segment":id,"base":..,"length":..,"access":"rw"}
-//                      | {"op":"refused","segment":id,"error":<errc>}
+//   initiator -> target  {"op":"lease","segment":id[,"device":"<its runtime>"]}
+//   target -> initiator  {"op":"granted","segment":id,"base":..,"length":..,"access":"rw"
+//                         [,"fd":..,"fd_offset":..,"dev":..,"ino":..]   (shared memory)
+//                         [,"device":{...}]}                           (device memory)
+//                      | {"op":"refused","segment":id,"error":<errc>[,"why":"..."]}
 //     a granted lease pins the segment on the target (unregistration waits
-//     for it) until the initiator gives it back;
+//     for it) until the initiator gives it back; a device segment is granted
+//     only to a peer with the same device runtime, with its allocation's
+//     export (shm/device.hpp), which the initiator imports and copies to
+//     with its runtime's streams (a grant it cannot use it gives back at
+//     once, "released");
 //   target -> initiator  {"op":"release","segment":id}   (it is being unregistered)
 //   initiator -> target  {"op":"released","segment":id}  once no copy of its
 //     lanes touches the segment any more.
@@ -38,18 +51,23 @@
 #include <kvlink/detail/log.hpp>
 #include <kvlink/shm/cma.hpp>
 #include <kvlink/shm/config.hpp>
+#include <kvlink/shm/device.hpp>
 #include <kvlink/shm/memory.hpp>
 #include <kvlink/transport/transport.hpp>
 
 #include <algorithm>
 #include <array>
 #include <atomic>
+#include <cerrno>
 #include <climits>
 #include <cstdint>
 #include <cstring>
+#include <deque>
+#include <functional>
 #include <map>
 #include <memory>
 #include <mutex>
+#include <optional>
 #include <random>
 #include <set>
 #include <span>
@@ -91,12 +109,31 @@ struct peer_process_state {
   }
 };
 
+/// What a path needs for device memory (memory/device.hpp); all empty
+/// when the engine has no device runtime.
+struct device_access {
+  std::shared_ptr<device_runtime> rt;
+  /// Pinned chunks for our device memory <-> the peer's private host
+  /// memory (a device copy, then cross-memory attach; or the reverse).
+  std::shared_ptr<staging_pool> staging;
+  /// Our registered segments: a slice's local memory kind.
+  const segment_registry* registry = nullptr;
+};
+
 /// One slice and where it lands: in the peer's address space (cross-memory
-/// attach), or in our mapping of the peer's shared memory (memcpy).
+/// attach), in our mapping of the peer's shared memory (memcpy), or in the
+/// peer's device memory imported here (a device copy).
 struct copy_item {
   slice_ref s;
-  std::uint64_t remote = 0;
-  std::shared_ptr<peer_mapping> map;  // null: cross-memory attach
+  std::uint64_t remote = 0;           // the peer's address; with `device`, its address here
+  std::shared_ptr<peer_mapping> map;  // null: not mapped
+  std::shared_ptr<imported_allocation> device;  // null: the peer's host memory
+  memory_desc local_memory{};                   // s.local's kind
+
+  /// Whether a device stream copies it.
+  bool on_device() const noexcept {
+    return device != nullptr || local_memory.kind == memory_kind::device;
+  }
 };
 
 /// A copy lane: runs the batches its path hands it on a strand of its own,
@@ -105,18 +142,24 @@ struct copy_item {
 /// calls; memcpy likewise), and reports them in one go. Cancellation and
 /// deadlines are looked at between calls, so a stopped transfer copies at
 /// most about `max_copy` bytes per lane after it was stopped.
+/// Slices touching device memory go to the lane's streams (one per device,
+/// completions posted on the lane's strand), a window of them at a time,
+/// and are reported once their copies completed; those between our device
+/// memory and the peer's private host memory pass through a pinned chunk of
+/// device_access::staging.
 class lane : public std::enable_shared_from_this<lane> {
  public:
   using fatal_fn = std::function<void(std::error_code)>;
 
   lane(asio::any_io_executor ex, transport_host& host, std::shared_ptr<peer_process_state> peer,
-       fatal_fn on_fatal, std::uint64_t max_copy = shm_config{}.max_copy)
+       fatal_fn on_fatal, std::uint64_t max_copy = shm_config{}.max_copy, device_access dev = {})
       : ex_(std::move(ex)),
         host_(host),
         keep_(host.keep_alive()),
         peer_(std::move(peer)),
         on_fatal_(std::move(on_fatal)),
-        max_copy_(std::max<std::uint64_t>(max_copy, 1)) {}
+        max_copy_(std::max<std::uint64_t>(max_copy, 1)),
+        dev_(std::move(dev)) {}
 
   const asio::any_io_executor& get_executor() const noexcept { return ex_; }
 
@@ -124,16 +167,21 @@ class lane : public std::enable_shared_from_this<lane> {
   void run(const std::vector<copy_item>& batch) {
     std::vector<slice_report> done;
     done.reserve(batch.size());
+    std::vector<std::size_t> on_device;
     std::size_t i = 0;
     while (i < batch.size()) {
       if (peer_->failed.load(std::memory_order_acquire)) {
         const std::error_code ec = static_cast<errc>(peer_->failure.load());
         for (; i < batch.size(); ++i) done.push_back({batch[i].s.op, 0, ec});
-        break;
+        break;  // device slices set aside before this are refused in start_device
       }
       if (peer_->watch.exited()) {
         fatal(errc::peer_closed);
         continue;  // reported above, as failed
+      }
+      if (batch[i].on_device()) {
+        on_device.push_back(i++);
+        continue;
       }
       if (const auto& m = batch[i].map) {
         const auto& s = batch[i].s;
@@ -156,6 +204,17 @@ class lane : public std::enable_shared_from_this<lane> {
       i = copy_run(batch, i, done);
     }
     if (!done.empty()) host_.slices_done(done);
+    if (!on_device.empty()) start_device(batch, on_device);
+  }
+
+  /// On the lane's strand: runs `fn` once no device copy of this lane is
+  /// under way (those it was given before have been reported).
+  void when_idle(std::function<void()> fn) {
+    if (busy_ == 0) {
+      fn();
+      return;
+    }
+    idle_waiters_.push_back(std::move(fn));
   }
 
  private:
@@ -207,6 +266,231 @@ class lane : public std::enable_shared_from_this<lane> {
     done.push_back({s.op, s.length, {}});
   }
 
+  // The device slices of one batch, reported together once all are done.
+  struct device_batch {
+    std::vector<slice_report> reports;
+    std::size_t left = 0;
+  };
+  // A device slice waiting for, or in, a stream copy.
+  struct device_job {
+    std::shared_ptr<device_batch> batch;
+    copy_item item;
+  };
+  // A device slice through a pinned chunk: piece by piece, one chunk.
+  struct staged_copy {
+    std::shared_ptr<device_batch> batch;
+    copy_item item;
+    std::byte* chunk = nullptr;
+    std::uint64_t at = 0;  // bytes of the slice done
+  };
+
+  // Device copies in flight on the lane's streams: about this many bytes
+  // (at least one copy), so that a transfer that stops finds the rest not
+  // yet started.
+  static constexpr std::uint64_t device_window = 16u << 20;
+
+  void start_device(const std::vector<copy_item>& batch, const std::vector<std::size_t>& which) {
+    auto b = std::make_shared<device_batch>();
+    b->reports.reserve(which.size());
+    b->left = which.size();
+    busy_ += which.size();
+    for (const auto k : which) {
+      const auto& item = batch[k];
+      if (item.device == nullptr && !item.map) {
+        start_staged(b, item);  // our device memory <-> the peer's private memory
+      } else {
+        queue_.push_back(device_job{b, item});
+      }
+    }
+    issue();
+  }
+
+  // The stream of `device`, opened on first use; null (logged once) when
+  // the runtime cannot open one.
+  device_stream* stream(std::int32_t device) {
+    auto& s = streams_[device];
+    if (!s && dev_.rt) {
+      std::error_code ec;
+      std::string what;
+      s = dev_.rt->open_stream(device, ex_, ec, what);
+      if (!s && !stream_refused_) {
+        stream_refused_ = true;
+        detail::log("shm: no {} stream on device {} ({}): device slices fail", dev_.rt->name(),
+                    device, what);
+      }
+    }
+    return s.get();
+  }
+
+  static std::int32_t device_of(const copy_item& c) noexcept {
+    return c.local_memory.kind == memory_kind::device ? c.local_memory.device : c.device->device();
+  }
+
+  // Starts queued stream copies while the window allows.
+  void issue() {
+    while (!queue_.empty() &&
+           (in_stream_ == 0 || in_stream_ + queue_.front().item.s.length <= device_window)) {
+      auto job = std::move(queue_.front());
+      queue_.pop_front();
+      const auto& s = job.item.s;
+      if (auto ec = refuse(s)) {
+        settle(job.batch, {s.op, 0, ec});
+        continue;
+      }
+      auto* st = stream(device_of(job.item));
+      if (st == nullptr) {
+        settle(job.batch, {s.op, 0, errc::device_error});
+        continue;
+      }
+      // The peer's end: its device memory imported here, or its shared
+      // memory mapped here.
+      void* there = job.item.device
+                        ? reinterpret_cast<void*>(static_cast<std::uintptr_t>(job.item.remote))
+                        : static_cast<void*>(job.item.map->segment() + s.offset);
+      const memory_desc there_memory =
+          job.item.device ? memory_desc{memory_kind::device, job.item.device->device()}
+                          : memory_desc{};
+      const auto local_memory = job.item.local_memory;
+      const auto n = static_cast<std::size_t>(s.length);
+      const bool read = s.kind == opcode::read;
+      std::byte* local = s.local;
+      in_stream_ += s.length;
+      auto done = [self = shared_from_this(), job = std::move(job)](std::error_code ec) {
+        self->copied(job, ec);
+      };
+      if (read) {
+        st->async_copy(local, local_memory, there, there_memory, n, std::move(done));
+      } else {
+        st->async_copy(there, there_memory, local, local_memory, n, std::move(done));
+      }
+    }
+  }
+
+  void copied(const device_job& job, std::error_code ec) {
+    const auto& s = job.item.s;
+    in_stream_ -= s.length;
+    settle(job.batch, {s.op, ec ? 0 : s.length, ec});
+    issue();
+  }
+
+  // Why a device slice must not start now (its transfer stops, the peer
+  // failed or exited), or nothing.
+  std::error_code refuse(const slice_ref& s) {
+    if (peer_->failed.load(std::memory_order_acquire)) {
+      return static_cast<errc>(peer_->failure.load());
+    }
+    if (host_.stopping(s.op)) return errc::cancelled;
+    if (peer_->watch.exited()) {
+      fatal(errc::peer_closed);
+      return errc::peer_closed;
+    }
+    return {};
+  }
+
+  // One device slice resolved: its batch reports when all of it is.
+  void settle(const std::shared_ptr<device_batch>& b, slice_report r) {
+    b->reports.push_back(r);
+    if (--b->left == 0) host_.slices_done(b->reports);
+    if (--busy_ == 0 && !idle_waiters_.empty()) {
+      auto waiters = std::move(idle_waiters_);
+      idle_waiters_.clear();
+      for (auto& f : waiters) f();
+    }
+  }
+
+  // ------------------------------------------- device <-> private host memory
+
+  void start_staged(std::shared_ptr<device_batch> b, const copy_item& item) {
+    auto st = std::make_shared<staged_copy>(staged_copy{std::move(b), item});
+    if (!dev_.staging) {
+      settle(st->batch, {item.s.op, 0, errc::device_error});
+      return;
+    }
+    dev_.staging->acquire(item.local_memory.device, ex_,
+                          [self = shared_from_this(), st](std::byte* chunk) {
+                            st->chunk = chunk;
+                            self->staged_next(st);
+                          });
+  }
+
+  // The next piece of a staged slice: WRITE copies device -> chunk, then
+  // the chunk to the peer (cross-memory attach); READ the reverse.
+  void staged_next(const std::shared_ptr<staged_copy>& st) {
+    const auto& s = st->item.s;
+    if (st->chunk == nullptr) return staged_end(st, errc::device_error);
+    if (st->at == s.length) return staged_end(st, {});
+    if (auto ec = refuse(s)) return staged_end(st, ec);
+    auto* dev_stream = stream(st->item.local_memory.device);
+    if (dev_stream == nullptr) return staged_end(st, errc::device_error);
+    const auto piece = std::min<std::uint64_t>(dev_.staging->chunk_size(), s.length - st->at);
+    const auto remote = st->item.remote + st->at;
+    std::byte* local = s.local + st->at;
+    auto self = shared_from_this();
+    if (s.kind == opcode::write) {
+      dev_stream->async_copy(
+          st->chunk, memory_desc{}, local, st->item.local_memory, static_cast<std::size_t>(piece),
+          [self, st, piece, remote](std::error_code ec) {
+            if (!ec) ec = self->refuse(st->item.s);
+            if (!ec) {
+              ec = self->cma_piece(cma::direction::write, st->chunk, remote, piece);
+            }
+            if (ec) return self->staged_end(st, ec);
+            st->at += piece;
+            self->staged_next(st);
+          });
+      return;
+    }
+    if (auto ec = cma_piece(cma::direction::read, st->chunk, remote, piece)) {
+      return staged_end(st, ec);
+    }
+    dev_stream->async_copy(local, st->item.local_memory, st->chunk, memory_desc{},
+                           static_cast<std::size_t>(piece), [self, st, piece](std::error_code ec) {
+                             if (ec) return self->staged_end(st, ec);
+                             st->at += piece;
+                             self->staged_next(st);
+                           });
+  }
+
+  void staged_end(const std::shared_ptr<staged_copy>& st, std::error_code ec) {
+    if (st->chunk != nullptr) dev_.staging->release(st->item.local_memory.device, st->chunk);
+    st->chunk = nullptr;
+    const auto& s = st->item.s;
+    settle(st->batch, {s.op, ec ? 0 : s.length, ec});
+  }
+
+  // One piece between a chunk and the peer's memory at `remote`. The chunk
+  // is ours and always mapped: a fault is the peer's.
+  std::error_code cma_piece(cma::direction dir, std::byte* chunk, std::uint64_t remote,
+                            std::uint64_t n) {
+    std::uint64_t at = 0;
+    while (at < n) {
+      iovec l{chunk + at, static_cast<std::size_t>(n - at)};
+      iovec r{reinterpret_cast<void*>(static_cast<std::uintptr_t>(remote + at)),
+              static_cast<std::size_t>(n - at)};
+      const ssize_t got = cma::copy(static_cast<pid_t>(peer_->pid), dir, &l, 1, &r, 1);
+      if (got < 0 && errno == EINTR) continue;
+      if (got < 0 && errno != EFAULT) {
+        const int err = errno;
+        if (err == ESRCH || err == EPERM) {
+          if (err == EPERM) detail::log("shm: {}", cma::refusal_reason(err, peer_->pid));
+          const std::error_code ec = err == ESRCH ? errc::peer_closed : errc::transport_unavailable;
+          fatal(ec);
+          return ec;
+        }
+        return {err, std::system_category()};
+      }
+      if (got <= 0) {
+        detail::log(
+            "shm: the peer's registered memory (pid {}, {} bytes at {:#x}) is not accessible: "
+            "unmapped or freed without unregistering it first",
+            peer_->pid, n - at, remote + at);
+        return errc::remote_memory_fault;
+      }
+      at += static_cast<std::uint64_t>(got);
+    }
+    return {};
+  }
+
   // Copies slices from `first` on, as many of one direction as one call
   // takes; returns where the next run starts.
   std::size_t copy_run(const std::vector<copy_item>& batch, std::size_t first,
@@ -218,7 +502,9 @@ class lane : public std::enable_shared_from_this<lane> {
     std::size_t n = 0;
     std::uint64_t bytes = 0;
     std::size_t i = first;
-    for (; i < batch.size() && n < cma::max_iov && batch[i].s.kind == kind && !batch[i].map; ++i) {
+    for (; i < batch.size() && n < cma::max_iov && batch[i].s.kind == kind && !batch[i].map &&
+           !batch[i].on_device();
+         ++i) {
       const auto& s = batch[i].s;
       if (host_.stopping(s.op)) {
         done.push_back({s.op, 0, errc::cancelled});
@@ -303,15 +589,35 @@ class lane : public std::enable_shared_from_this<lane> {
   std::shared_ptr<peer_process_state> peer_;
   fatal_fn on_fatal_;
   std::uint64_t max_copy_;
+  device_access dev_;
+  // Device slices (strand-only): waiting for the window, bytes in the
+  // streams, and resolved-or-not count for when_idle.
+  std::deque<device_job> queue_;
+  std::uint64_t in_stream_ = 0;
+  std::size_t busy_ = 0;
+  std::vector<std::function<void()>> idle_waiters_;
+  bool stream_refused_ = false;
+  // Last: destroyed first, each finishing the copies it was given.
+  std::map<std::int32_t, std::shared_ptr<device_stream>> streams_;
 };
 
 /// The data path to one peer on this host, on the engine's strand: leases
 /// on the peer's segments, and the lanes that copy.
 class path final : public data_path, public std::enable_shared_from_this<path> {
  public:
+  /// `dev`: our device runtime, staging and registry (empty: host memory only).
   path(asio::any_io_executor ex, transport_host& host, path_context ctx,
-       std::shared_ptr<peer_process_state> peer)
-      : ex_(std::move(ex)), host_(host), ctx_(std::move(ctx)), peer_(std::move(peer)) {}
+       std::shared_ptr<peer_process_state> peer, device_access dev = {})
+      : ex_(std::move(ex)),
+        host_(host),
+        ctx_(std::move(ctx)),
+        peer_(std::move(peer)),
+        dev_(std::move(dev)) {}
+
+  /// What transport_reason() adds for this peer (how its device memory is
+  /// reached, when it is not); empty: nothing to say.
+  void set_note(std::string n) { note_ = std::move(n); }
+  std::string note() const override { return note_; }
 
   /// Makes the lanes (before the path is used); `cfg` gives the bytes per
   /// copy call and the pre-fault bound.
@@ -326,7 +632,7 @@ class path final : public data_path, public std::enable_shared_from_this<path> {
         });
       };
       lanes_.push_back(
-          std::make_shared<lane>(strand(), host_, peer_, std::move(fatal), cfg.max_copy));
+          std::make_shared<lane>(strand(), host_, peer_, std::move(fatal), cfg.max_copy, dev_));
     }
     weights_.assign(lanes_.size(), 1.0);
     outbox_.resize(lanes_.size());
@@ -413,7 +719,8 @@ class path final : public data_path, public std::enable_shared_from_this<path> {
       for (const auto& x : w) r.push_back({x.second.op, 0, ec});
     }
     waiting_.clear();
-    lanes_.clear();  // posted batches hold their lane; they resolve as failed
+    leases_.clear();  // imported device memory closes once the copies holding it end
+    lanes_.clear();   // posted batches hold their lane; they resolve as failed
     if (auto cb = std::move(ctx_.on_failure)) cb(ec);
     if (!r.empty()) host_.slices_done(r);
   }
@@ -443,11 +750,20 @@ class path final : public data_path, public std::enable_shared_from_this<path> {
     std::uint64_t length = 0;
     access granted = access::none;
     std::shared_ptr<peer_mapping> map;  // the peer's shared memory, mapped here
+    // The peer's device memory, imported here, and where the segment lies in it.
+    std::shared_ptr<imported_allocation> device;
+    std::uint64_t device_offset = 0;
   };
 
   std::string nonce_text() const { return fmt::format("{:016x}{:016x}", nonce_[0], nonce_[1]); }
 
-  void request(std::uint64_t seg) { ctx_.send({{"op", "lease"}, {"segment", seg}}); }
+  // With a device runtime, its name: the target grants device segments
+  // only to a peer that can import them.
+  void request(std::uint64_t seg) {
+    nlohmann::json body{{"op", "lease"}, {"segment", seg}};
+    if (dev_.rt) body["device"] = std::string(dev_.rt->name());
+    ctx_.send(std::move(body));
+  }
 
   void place(std::size_t i, const slice_ref& s, const lease& l) {
     const errc e = detail::check_segment_access(
@@ -457,7 +773,20 @@ class path final : public data_path, public std::enable_shared_from_this<path> {
       rejects_.push_back({s.op, 0, e});
       return;
     }
-    outbox_[i].push_back({s, l.base + s.offset, l.map});
+    copy_item c{s, l.base + s.offset, l.map, l.device, local_memory(s)};
+    if (l.device) {
+      c.remote = reinterpret_cast<std::uintptr_t>(l.device->base() + l.device_offset + s.offset);
+    }
+    outbox_[i].push_back(std::move(c));
+  }
+
+  // What a slice's local memory is: its registered segment says.
+  memory_desc local_memory(const slice_ref& s) const {
+    if (!dev_.rt) return {};
+    if (dev_.registry != nullptr && s.local_segment != 0) {
+      if (const auto seg = dev_.registry->get(segment_id{s.local_segment})) return seg->memory;
+    }
+    return dev_.rt->classify(s.local).memory;
   }
 
   void proved(const nlohmann::json& body) {
@@ -497,7 +826,16 @@ class path final : public data_path, public std::enable_shared_from_this<path> {
       return;
     }
     l.granted = *parsed;
-    if (body.contains("fd")) l.map = map_shared(seg, body, l);
+    if (body.contains("device")) {
+      if (const errc e = import_device(seg, body["device"], l); e != errc{}) {
+        // Given back at once: the target must not wait for it.
+        ctx_.send({{"op", "released"}, {"segment", seg}});
+        refused_with(seg, e);
+        return;
+      }
+    } else if (body.contains("fd")) {
+      l.map = map_shared(seg, body, l);
+    }
     leases_[seg] = l;
     const auto it = waiting_.find(seg);
     if (it == waiting_.end()) return;
@@ -512,6 +850,12 @@ class path final : public data_path, public std::enable_shared_from_this<path> {
     if (const auto it = body.find("error"); it != body.end() && it->is_number_integer()) {
       const int v = it->get<int>();
       if (v > 0 && v <= static_cast<int>(errc_last)) e = v;
+    }
+    // The target's words, said once per reason (a device segment refused
+    // to a peer that cannot import it, say).
+    if (std::string why; control::get_field(body, "why", why) && !why.empty() &&
+                         said_.insert(why).second && said_.size() < 64) {
+      detail::log("shm: pid {} refused segment {}: {}", peer_->pid, seg, why.substr(0, 512));
     }
     refused_with(seg, static_cast<errc>(e));
   }
@@ -591,6 +935,92 @@ class path final : public data_path, public std::enable_shared_from_this<path> {
     return out;
   }
 
+  // The peer's segment is device memory: import its allocation through our
+  // runtime (once per allocation; the lease shares it). errc{} with
+  // l.device set, or why not: malformed_message for a grant that is not
+  // one (a field missing or wrong, a descriptor that is not the peer's, an
+  // allocation smaller than the segment, a method we do not know or our
+  // runtime says it cannot be), transport_unavailable where importing is
+  // impossible (no device runtime here, another one, the runtime failed).
+  errc import_device(std::uint64_t seg, const nlohmann::json& j, lease& l) {
+    device_grant g;
+    std::string why;
+    errc e = parse_device_grant(j, l.length, g, why);
+    if (e == errc{} && !dev_.rt) {
+      e = errc::transport_unavailable;
+      why = fmt::format(
+          "it is {} device memory and this engine has no device runtime (config.device)",
+          g.runtime);
+    } else if (e == errc{} && g.runtime != dev_.rt->name()) {
+      e = errc::transport_unavailable;
+      why = fmt::format("it is {} device memory and this engine's runtime is {}", g.runtime,
+                        dev_.rt->name());
+    } else if (e == errc{} && g.memory.device >= dev_.rt->device_count()) {
+      e = errc::malformed_message;
+      why = fmt::format("its grant names device {} (this host has {})", g.memory.device,
+                        dev_.rt->device_count());
+    }
+    int fd = -1;
+    std::string key = "ipc:" + control::to_hex(std::string_view(
+                                   reinterpret_cast<const char*>(g.memory.handle.data()),
+                                   g.memory.handle.size()));
+    if (e == errc{} && method_uses_fd(g.memory.method)) {
+      if (!peer_->watch.watching()) {
+        e = errc::transport_unavailable;
+        why = "no pidfd for its process, so its descriptor cannot be duplicated";
+      } else {
+#ifdef SYS_pidfd_getfd
+        fd = static_cast<int>(
+            ::syscall(SYS_pidfd_getfd, peer_->watch.fd(), static_cast<int>(g.memory.fd), 0));
+        if (fd < 0) {
+          e = errc::malformed_message;
+          why = fmt::format("pidfd_getfd of its descriptor {}: {}", g.memory.fd,
+                            std::strerror(errno));
+        }
+#else
+        e = errc::transport_unavailable;
+        why = "this build has no pidfd_getfd";
+#endif
+      }
+      struct stat st {};
+      if (fd >= 0 && ::fstat(fd, &st) != 0) {
+        e = errc::malformed_message;
+        why = fmt::format("fstat of its descriptor: {}", std::strerror(errno));
+      }
+      key = fmt::format("fd:{}:{}", static_cast<std::uint64_t>(st.st_dev),
+                        static_cast<std::uint64_t>(st.st_ino));
+    }
+    if (e == errc{}) {
+      auto& cached = imports_[key];
+      if (auto a = cached.lock(); a && a->size() >= g.offset + l.length) {
+        l.device = std::move(a);  // another segment of an allocation imported before
+      } else {
+        std::error_code ec;
+        std::string what;
+        void* p = dev_.rt->import_memory(g.memory, fd, ec, what);  // takes fd over
+        fd = -1;
+        if (p == nullptr) {
+          e = ec == errc::invalid_argument ? errc::malformed_message : errc::transport_unavailable;
+          why = fmt::format("{} could not import it: {}", dev_.rt->name(), what);
+        } else {
+          l.device =
+              std::make_shared<imported_allocation>(dev_.rt, p, g.memory.device, g.memory.size);
+          cached = l.device;
+        }
+      }
+    }
+    if (fd >= 0) ::close(fd);
+    std::erase_if(imports_, [](const auto& kv) { return kv.second.expired(); });
+    if (e != errc{}) {
+      const auto text =
+          fmt::format("device segment {} of pid {} cannot be reached: {}", seg, peer_->pid, why);
+      if (said_.insert(text).second && said_.size() < 64) detail::log("shm: {}", text);
+      return e;
+    }
+    l.device_offset = g.offset;
+    return errc{};
+  }
+
   // The peer unregisters `seg`: no new copy may start on it, and it hears
   // back once every lane finished what it was given before.
   void release(std::uint64_t seg) {
@@ -617,8 +1047,10 @@ class path final : public data_path, public std::enable_shared_from_this<path> {
       return;
     }
     for (auto& l : lanes_) {
-      asio::post(l->get_executor(), [left, answer, ex = ex_] {
-        if (left->fetch_sub(1) == 1) asio::post(ex, answer);
+      asio::post(l->get_executor(), [l, left, answer, ex = ex_] {
+        l->when_idle([left, answer, ex] {
+          if (left->fetch_sub(1) == 1) asio::post(ex, answer);
+        });
       });
     }
   }
@@ -628,6 +1060,13 @@ class path final : public data_path, public std::enable_shared_from_this<path> {
   path_context ctx_;
   std::shared_ptr<peer_process_state> peer_;
   shm_config cfg_;
+  device_access dev_;
+  std::string note_;
+  // Imported device allocations of the peer, by identity (the file's
+  // device and inode, or the IPC handle): shared by the leases on their
+  // segments and the copies in flight; closed when the last lets go.
+  std::map<std::string, std::weak_ptr<imported_allocation>> imports_;
+  std::set<std::string> said_;  // refusal reasons logged
   std::vector<std::shared_ptr<lane>> lanes_;
   std::vector<double> weights_;
   std::vector<std::vector<copy_item>> outbox_;
@@ -662,16 +1101,23 @@ class transport final : public kvlink::transport, public std::enable_shared_from
   std::string_view name() const noexcept override { return "shm"; }
   bool available() const noexcept override { return why_not_.empty(); }
   std::string unavailable_reason() const override { return why_not_; }
-  memory_kinds reaches() const noexcept override { return {memory_kind::host}; }
+  /// With a device runtime, device memory too: ours through its streams,
+  /// the peer's imported (export/import of its allocation).
+  memory_kinds reaches() const noexcept override {
+    if (env_.device) return {memory_kind::host, memory_kind::device};
+    return {memory_kind::host};
+  }
   bool local_only() const noexcept override { return true; }
   void shutdown() override {}
 
   nlohmann::json describe() const override {
-    return {
+    nlohmann::json d{
         {"boot_id", self_.boot_id}, {"pid_ns", self_.pid_ns},
         {"host", self_.host},       {"pid", self_.pid},
         {"uid", self_.uid},         {"probe", reinterpret_cast<std::uintptr_t>(&probe_->cookie)},
         {"cookie", probe_->cookie}};
+    if (env_.device) d["device"] = std::string(env_.device->name());
+    return d;
   }
 
   bool reachable(const nlohmann::json& entry, std::string& why) const override {
@@ -719,7 +1165,10 @@ class transport final : public kvlink::transport, public std::enable_shared_from
                                            std::shared_ptr<data_path>& out) override {
     const auto pid = ctx.entry.value("pid", std::int64_t{0});
     auto peer = std::make_shared<peer_process_state>(pid);
-    auto p = std::make_shared<path>(env_.executor, *env_.host, std::move(ctx), std::move(peer));
+    const auto note = device_note(ctx.entry);
+    auto p = std::make_shared<path>(env_.executor, *env_.host, std::move(ctx), std::move(peer),
+                                    device_access{env_.device, env_.staging, env_.registry});
+    p->set_note(note);
     p->open(
         cfg_.lanes, [this] { return env_.io_strand(); }, cfg_);
     out = std::move(p);
@@ -748,7 +1197,7 @@ class transport final : public kvlink::transport, public std::enable_shared_from
     const auto seg = body.find("segment");
     if (seg == body.end() || !seg->is_number_unsigned()) return std::nullopt;
     const segment_id id{seg->get<std::uint64_t>()};
-    if (op == "lease") return lease(session, id);
+    if (op == "lease") return lease(session, id, body);
     if (op == "released") {
       bool held = false;
       {
@@ -807,14 +1256,56 @@ class transport final : public kvlink::transport, public std::enable_shared_from
     std::uint64_t cookie = 0;
   };
 
-  nlohmann::json lease(const void* session, segment_id id) {
-    const auto refuse = [&](errc e) {
-      return nlohmann::json{
-          {"op", "refused"}, {"segment", id.value()}, {"error", static_cast<int>(e)}};
+  // How the peer whose entry is `entry` reaches device memory, where it
+  // cannot import the peer's: said in its transport_reason().
+  std::string device_note(const nlohmann::json& entry) const {
+    const auto it = entry.find("device");
+    if (it == entry.end() || !it->is_string()) return {};
+    const auto& theirs = it->get_ref<const std::string&>();
+    if (env_.device && theirs == env_.device->name()) return {};
+    return fmt::format(
+        "device memory: the peer's ({}) cannot be imported here ({}); its device segments are "
+        "refused over shm (transport_unavailable): reach them over tcp, which stages them",
+        theirs,
+        env_.device ? fmt::format("this engine's runtime is {}", env_.device->name())
+                    : std::string("this engine has no device runtime: config.device"));
+  }
+
+  nlohmann::json lease(const void* session, segment_id id, const nlohmann::json& body) {
+    const auto refuse = [&](errc e, std::string why = {}) {
+      nlohmann::json r{{"op", "refused"}, {"segment", id.value()}, {"error", static_cast<int>(e)}};
+      if (!why.empty()) r["why"] = std::move(why);
+      return r;
     };
     const auto seg = env_.registry->get(id);
     if (!seg) return refuse(errc::not_registered);
-    if (seg->memory.kind != memory_kind::host) return refuse(errc::transport_unavailable);
+    std::optional<device_grant> dev;
+    if (seg->memory.kind == memory_kind::device) {
+      // Its allocation, exported for a peer with the same runtime.
+      std::string theirs;
+      (void)control::get_field(body, "device", theirs);
+      if (!env_.device) return refuse(errc::transport_unavailable, "no device runtime here");
+      if (theirs != env_.device->name()) {
+        return refuse(errc::transport_unavailable,
+                      fmt::format("segment {} is {} device memory, which the peer cannot import "
+                                  "({})",
+                                  id.value(), env_.device->name(),
+                                  theirs.empty() ? std::string("it has no device runtime")
+                                                 : "its runtime is " + theirs));
+      }
+      dev.emplace();
+      dev->runtime = std::string(env_.device->name());
+      std::string what;
+      if (auto ec = env_.device->export_memory(reinterpret_cast<const void*>(seg->base),
+                                               dev->memory, what)) {
+        return refuse(errc::transport_unavailable,
+                      fmt::format("segment {} cannot be exported: {}", id.value(), what));
+      }
+      const auto info = env_.device->classify(reinterpret_cast<const void*>(seg->base));
+      dev->offset = static_cast<std::uint64_t>(seg->base - info.base);
+    } else if (seg->memory.kind != memory_kind::host) {
+      return refuse(errc::transport_unavailable);
+    }
     {
       std::lock_guard lock{mutex_};
       auto& s = sessions_[session];
@@ -828,8 +1319,10 @@ class transport final : public kvlink::transport, public std::enable_shared_from
                          {"base", static_cast<std::uint64_t>(seg->base)},
                          {"length", seg->length},
                          {"access", control::to_string(seg->granted)}};
-    // In shared memory: the peer may map it and copy with memcpy.
-    if (const auto r = find_shared(seg->base, seg->length)) {
+    if (dev) {
+      grant["device"] = to_json(*dev);
+    } else if (const auto r = find_shared(seg->base, seg->length)) {
+      // In shared memory: the peer may map it and copy with memcpy.
       grant["fd"] = static_cast<std::uint64_t>(r->fd);
       grant["fd_offset"] = static_cast<std::uint64_t>(seg->base - r->base);
       grant["dev"] = r->dev;

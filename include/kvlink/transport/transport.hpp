@@ -148,6 +148,10 @@ class data_path {
   /// A message the peer's transport sent back over the control channel
   /// (answers to this path's requests).
   virtual void on_message(const nlohmann::json& body) { (void)body; }
+  /// What the peer's transport_reason() adds about this path (shm: the
+  /// peer's device memory cannot be imported here, and what happens to it);
+  /// empty: nothing. Read once, when the path was made.
+  virtual std::string note() const { return {}; }
 };
 
 /// What a transport needs to make a path to one peer.

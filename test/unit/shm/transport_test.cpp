@@ -4,7 +4,12 @@
 // (this test and a kvlink_test_peer child): WRITE and READ at odd offsets
 // with bytes checked on both sides, a child killed mid-copy, a child that
 // may not attach to us falling back to TCP with the reason, and a child
-// copying into us whose leases end when it dies.
+// copying into us whose leases end when it dies. Device memory (the
+// emulated device): the target's grant exports the allocation, the path
+// imports it (once per allocation), copies through the device and closes it
+// when released; hostile and impossible grants are refused and given back;
+// a child's device memory READ and WRITTEN from here, and the refusal with
+// its reason when this engine cannot import it.
 #include <kvlink/engine.hpp>
 
 #include <algorithm>
@@ -23,6 +28,7 @@
 #include <thread>
 #include <vector>
 
+#include "../../support/device_memory.hpp"
 #include "../../support/peer_process.hpp"
 #include "../../support/test_support.hpp"
 #include "../../support/two_process_rig.hpp"
@@ -79,8 +85,10 @@ struct unit_rig {
   std::vector<std::pair<const void*, json>> sent;  // session_send
   std::vector<const void*> closed;                 // session_close
 
-  unit_rig() {
+  /// `device`: the engine's device runtime (env.device).
+  explicit unit_rig(std::shared_ptr<kvlink::device_runtime> device = nullptr) {
     env.executor = io.get_executor();
+    env.device = std::move(device);
     env.host = &host;
     env.registry = &registry;
     env.session_send = [this](const void* s, std::string_view name, json body) {
@@ -215,13 +223,20 @@ struct path_rig {
   std::optional<std::error_code> failed;
   std::shared_ptr<kvlink::shm::path> p;
 
-  path_rig() {
+  /// `device`: device memory through the emulated device (its staging too).
+  explicit path_rig(bool device = false) {
     kvlink::path_context ctx;
     ctx.send = [this](json body) { sent.push_back(std::move(body)); };
     ctx.on_failure = [this](std::error_code ec) { failed = ec; };
+    kvlink::shm::device_access dev;
+    if (device) {
+      dev.rt = kvlink::emulated_device::get();
+      dev.staging = std::make_shared<kvlink::staging_pool>(dev.rt, u.io.get_executor(), 64u << 10,
+                                                           256u << 10);
+    }
     p = std::make_shared<kvlink::shm::path>(
         u.io.get_executor(), u.host, std::move(ctx),
-        std::make_shared<kvlink::shm::peer_process_state>(::getpid()));
+        std::make_shared<kvlink::shm::peer_process_state>(::getpid()), std::move(dev));
     p->open(2, [this] { return asio::any_io_executor(u.io.get_executor()); });
     p->start();
   }
@@ -245,6 +260,24 @@ int memfd_mappings() {
     if (line.find("/memfd:kvlink-shm") != std::string::npos) ++n;
   }
   return n;
+}
+
+// Mappings of emulated device memory in this process: two per allocation
+// (where the user sees it, and its copy engine's view).
+int emulated_mappings() {
+  std::ifstream maps("/proc/self/maps");
+  int n = 0;
+  for (std::string line; std::getline(maps, line);) {
+    if (line.find("/memfd:kvlink-emulated-device") != std::string::npos) ++n;
+  }
+  return n;
+}
+
+// Device bytes [p, p + n) as host bytes, through the copy engine.
+std::vector<std::byte> device_bytes(const std::byte* p, std::size_t n) {
+  std::vector<std::byte> out(n);
+  REQUIRE(!kvlink_test::device_copy(*kvlink::emulated_device::get(), 0, out.data(), p, n));
+  return out;
 }
 
 kvlink::detail::transfer_op* op_tag(std::uintptr_t n) {
@@ -418,6 +451,224 @@ TEST_CASE("shm path: a peer's shared memory is mapped, checked, copied with memc
   CHECK(is_pattern(peer_mem.data() + 4096 + 100, 300, 21, 100));
 }
 
+TEST_CASE("shm target: a device segment is granted, exported, to a peer of the same runtime only") {
+  auto rt = kvlink::emulated_device::get();
+  unit_rig r{rt};
+  CHECK(r.t->reaches().contains(kvlink::memory_kind::device));
+  CHECK(r.t->describe()["device"] == "emulated");
+  unit_rig plain;
+  CHECK_FALSE(plain.t->reaches().contains(kvlink::memory_kind::device));
+  CHECK_FALSE(plain.t->describe().contains("device"));
+
+  kvlink::device_buffer buf{rt, 1, 1 << 20};
+  std::error_code ec;
+  const auto id = r.registry.add(buf.data() + 4096, 8192, kvlink::access::remote_read_write, ec,
+                                 kvlink::memory_desc{kvlink::memory_kind::device, 1});
+  REQUIRE(!ec);
+  int session = 0;
+  // A peer without a device runtime, or with another one: refused, with why, nothing pinned.
+  for (const json& ask : {json{{"op", "lease"}, {"segment", id.value()}},
+                          json{{"op", "lease"}, {"segment", id.value()}, {"device", "cuda"}}}) {
+    const auto reply = r.t->on_request(&session, ask);
+    REQUIRE(reply);
+    CHECK((*reply)["op"] == "refused");
+    CHECK((*reply)["error"] == static_cast<int>(kvlink::errc::transport_unavailable));
+    CHECK((*reply)["why"].get<std::string>().find("cannot import") != std::string::npos);
+  }
+  CHECK(r.host.pins[id.value()] == 0);
+  // The same runtime: the allocation's export and where the segment lies in it.
+  const auto reply = r.t->on_request(
+      &session, json{{"op", "lease"}, {"segment", id.value()}, {"device", "emulated"}});
+  REQUIRE(reply);
+  REQUIRE((*reply)["op"] == "granted");
+  CHECK(r.host.pins[id.value()] == 1);
+  kvlink::shm::device_grant g;
+  std::string why;
+  REQUIRE(kvlink::shm::parse_device_grant((*reply)["device"], 8192, g, why) == kvlink::errc{});
+  kvlink::exported_memory m;
+  std::string what;
+  REQUIRE(!rt->export_memory(buf.data(), m, what));
+  CHECK(g.runtime == "emulated");
+  CHECK(g.memory.method == "memfd");
+  CHECK(g.memory.fd == m.fd);
+  CHECK(g.memory.device == 1);
+  CHECK(g.memory.size == m.size);
+  CHECK(g.offset == 4096);
+  CHECK_FALSE((*reply).contains("fd"));  // not shared host memory
+}
+
+TEST_CASE("shm path: a peer's device memory is imported once, copied through the device, closed") {
+  auto rt = kvlink::emulated_device::get();
+  path_rig r{true};
+  // Completions come from the streams' threads: the io_context must not
+  // stop for want of work before they are posted.
+  auto work = asio::make_work_guard(r.u.io);
+  std::array<char, 32> nonce{};
+  r.prove(nonce);
+  kvlink::device_buffer peer_dev{rt, 0, 1 << 20};
+  kvlink::device_buffer mine_dev{rt, 1, 1 << 16};
+  kvlink::device_buffer big{rt, 0, 1 << 18};
+  std::vector<std::byte> mine(1 << 16);
+  fill_pattern(mine.data(), mine.size(), 41, 0);
+  const int before = emulated_mappings();
+  kvlink::exported_memory m;
+  std::string what;
+  REQUIRE(!rt->export_memory(peer_dev.data(), m, what));
+  auto grant = [&](std::uint64_t seg, std::uint64_t offset) {
+    return json{{"op", "granted"},
+                {"segment", seg},
+                {"base", reinterpret_cast<std::uintptr_t>(peer_dev.data() + offset)},
+                {"length", 1u << 16},
+                {"access", "rw"},
+                {"device", kvlink::shm::to_json(kvlink::shm::device_grant{"emulated", m, offset})}};
+  };
+  auto settle = [&](std::size_t n) {
+    REQUIRE(run_until(r.u.io, [&] { return r.u.host.done.size() >= n; }));
+    REQUIRE(r.u.host.done.size() == n);
+    for (const auto& d : r.u.host.done) CHECK_MESSAGE(!d.ec, d.ec.message());
+  };
+
+  // Host here -> device there, at an odd offset.
+  r.p->enqueue(0, make_slice(1, opcode::write, mine.data(), 5, 7, 5000));
+  r.p->pump();
+  REQUIRE(r.sent.back() == json{{"op", "lease"}, {"segment", 5u}, {"device", "emulated"}});
+  r.p->on_message(grant(5, 8192));
+  CHECK(emulated_mappings() == before + 2);  // imported: mapped twice, like our own
+  settle(1);
+  CHECK(is_pattern(device_bytes(peer_dev.data() + 8192 + 7, 5000).data(), 5000, 41, 7));
+
+  // Another segment of the same allocation (at its start) shares the
+  // import. Device here <- device there, then device here -> device there.
+  r.u.host.done.clear();
+  r.p->enqueue(1, make_slice(2, opcode::read, mine_dev.data(), 6, 8192 + 7, 5000));
+  r.p->pump();
+  r.p->on_message(grant(6, 0));
+  CHECK(emulated_mappings() == before + 2);
+  settle(1);
+  CHECK(is_pattern(device_bytes(mine_dev.data() + 8192 + 7, 5000).data(), 5000, 41, 7));
+  r.u.host.done.clear();
+  auto back = make_slice(3, opcode::write, mine_dev.data(), 6, 8192 + 7, 5000);
+  back.offset = 100;
+  r.p->enqueue(0, back);
+  r.p->pump();
+  settle(1);
+  CHECK(is_pattern(device_bytes(peer_dev.data() + 100, 5000).data(), 5000, 41, 7));
+
+  // Device here <-> the peer's private host memory: through pinned chunks
+  // (64 KiB: a 100 KiB slice takes two), cross-memory attach for the peer's end.
+  std::vector<std::byte> peer_host(1 << 18);
+  std::vector<std::byte> pattern(1 << 18);
+  fill_pattern(pattern.data(), pattern.size(), 43, 0);
+  REQUIRE(!kvlink_test::device_copy(*rt, 0, big.data(), pattern.data(), pattern.size()));
+  r.u.host.done.clear();
+  r.p->enqueue(0, make_slice(4, opcode::write, big.data(), 7, 11, 100000));
+  r.p->pump();
+  r.p->on_message(json{{"op", "granted"},
+                       {"segment", 7u},
+                       {"base", reinterpret_cast<std::uintptr_t>(peer_host.data())},
+                       {"length", peer_host.size()},
+                       {"access", "rw"}});
+  settle(1);
+  CHECK(is_pattern(peer_host.data() + 11, 100000, 43, 11));
+  fill_pattern(peer_host.data(), peer_host.size(), 44, 0);
+  r.u.host.done.clear();
+  r.p->enqueue(1, make_slice(5, opcode::read, big.data(), 7, 13, 100000));
+  r.p->pump();
+  settle(1);
+  CHECK(is_pattern(device_bytes(big.data() + 13, 100000).data(), 100000, 44, 13));
+
+  // Released, both segments: the answers come once the lanes' copies are
+  // done, and the import is closed.
+  r.sent.clear();
+  r.p->on_message(json{{"op", "release"}, {"segment", 5u}});
+  REQUIRE(run_until(r.u.io, [&] { return r.sent.size() == 1; }));
+  CHECK(emulated_mappings() == before + 2);  // segment 6 still holds it
+  r.p->on_message(json{{"op", "release"}, {"segment", 6u}});
+  REQUIRE(run_until(r.u.io, [&] { return r.sent.size() == 2; }));
+  CHECK(r.sent[1] == json{{"op", "released"}, {"segment", 6u}});
+  CHECK(emulated_mappings() == before);
+  CHECK_FALSE(r.failed);
+}
+
+TEST_CASE("shm path: hostile or impossible device grants are refused and given back") {
+  auto rt = kvlink::emulated_device::get();
+  kvlink::device_buffer peer_dev{rt, 0, 1 << 20};
+  kvlink::exported_memory m;
+  std::string what;
+  REQUIRE(!rt->export_memory(peer_dev.data(), m, what));
+  const json good = kvlink::shm::to_json(kvlink::shm::device_grant{"emulated", m, 0});
+  int pipe_fds[2];
+  REQUIRE(::pipe(pipe_fds) == 0);
+  auto with = [&](const char* key, json v) {
+    auto d = good;
+    d[key] = std::move(v);
+    return d;
+  };
+  auto without = [&](const char* key) {
+    auto d = good;
+    d.erase(key);
+    return d;
+  };
+  const std::vector<std::pair<json, kvlink::errc>> cases{
+      {json("memfd"), kvlink::errc::malformed_message},
+      {without("size"), kvlink::errc::malformed_message},
+      {without("fd"), kvlink::errc::malformed_message},
+      {with("method", "cuda-magic"), kvlink::errc::malformed_message},
+      {with("method", "ipc"), kvlink::errc::malformed_message},  // and no handle
+      {with("fd", 1000000), kvlink::errc::malformed_message},    // not a descriptor of the peer
+      {with("fd", -3), kvlink::errc::malformed_message},
+      {with("fd", pipe_fds[0]), kvlink::errc::malformed_message},  // not device memory
+      {with("size", 4096), kvlink::errc::malformed_message},       // smaller than the segment
+      {with("offset", (1u << 20) - 100), kvlink::errc::malformed_message},
+      {with("handle", "zz"), kvlink::errc::malformed_message},
+      {with("index", 7), kvlink::errc::malformed_message},
+      {with("runtime", "cuda"), kvlink::errc::transport_unavailable},  // another runtime
+  };
+  path_rig r{true};
+  std::array<char, 32> nonce{};
+  r.prove(nonce);
+  std::vector<std::byte> mine(1 << 16);
+  const int before = emulated_mappings();
+  std::uintptr_t tag = 0;
+  for (const auto& [dev, expected] : cases) {
+    CAPTURE(dev.dump());
+    r.u.host.done.clear();
+    r.sent.clear();
+    r.p->enqueue(0, make_slice(++tag, opcode::write, mine.data(), 9, 0, 100));
+    r.p->pump();
+    r.p->on_message(json{{"op", "granted"},
+                         {"segment", 9u},
+                         {"base", 4096u},
+                         {"length", 1u << 16},
+                         {"access", "rw"},
+                         {"device", dev}});
+    REQUIRE(r.u.host.done.size() == 1);
+    CHECK(r.u.host.done[0].ec == expected);
+    // The lease is given back at once: the target does not wait for it.
+    REQUIRE(r.sent.size() == 2);
+    CHECK(r.sent[1] == json{{"op", "released"}, {"segment", 9u}});
+    CHECK(emulated_mappings() == before);
+  }
+  CHECK_FALSE(r.failed);
+  ::close(pipe_fds[0]);
+  ::close(pipe_fds[1]);
+
+  // A path without a device runtime cannot import: transport_unavailable.
+  path_rig plain;
+  plain.prove(nonce);
+  plain.p->enqueue(0, make_slice(1, opcode::read, mine.data(), 9, 0, 100));
+  plain.p->pump();
+  REQUIRE(plain.sent.back() == json{{"op", "lease"}, {"segment", 9u}});  // no runtime to name
+  plain.p->on_message(json{{"op", "granted"},
+                           {"segment", 9u},
+                           {"base", 4096u},
+                           {"length", 1u << 16},
+                           {"access", "rw"},
+                           {"device", good}});
+  REQUIRE(plain.u.host.done.size() == 1);
+  CHECK(plain.u.host.done[0].ec == kvlink::errc::transport_unavailable);
+}
+
 // ------------------------------------------------------------ two processes
 
 TEST_CASE("shm between two processes: WRITE and READ at odd offsets, bytes checked on both sides") {
@@ -461,6 +712,66 @@ TEST_CASE("shm between two processes: WRITE and READ at odd offsets, bytes check
   CHECK(past.ec == kvlink::errc::out_of_bounds);
   const auto wrap = r.run({r.req(opcode::read, 0, ~std::uint64_t{0} - 1, 4)});
   CHECK(wrap.ec == kvlink::errc::out_of_bounds);
+}
+
+TEST_CASE("shm between two processes: the child's device memory, imported here, READ and WRITTEN") {
+  auto rt = kvlink::emulated_device::get();
+  kvlink_test::rig r{
+      "rw", 31, "shm", {"--config", R"({"device": "emulated"})", "--device", "1"}, "emulated"};
+  REQUIRE(r.peer.transport() == "shm");
+  CHECK(r.peer.transport_reason() == "shm");
+
+  // Host here <- and -> device there, odd offsets and lengths.
+  std::vector<std::pair<std::uint64_t, std::uint64_t>> spans{
+      {1, 1}, {4099, 70001}, {(1u << 20) + 3, (3u << 20) + 5}, {9u << 20, 16u << 20}};
+  std::vector<kvlink::transfer_request> reads;
+  for (const auto& [off, len] : spans) reads.push_back(r.req(opcode::read, off, off, len));
+  const auto got = r.run(reads);
+  REQUIRE_MESSAGE(!got.ec, got.ec.message());
+  for (const auto& [off, len] : spans) CHECK(is_pattern(r.local_mem.data() + off, len, 31, off));
+  for (const auto& [off, len] : spans) fill_pattern(r.local_mem.data() + off, len, 32, off);
+  std::vector<kvlink::transfer_request> writes;
+  for (const auto& [off, len] : spans) writes.push_back(r.req(opcode::write, off, off, len));
+  const auto put = r.run(writes);
+  REQUIRE_MESSAGE(!put.ec, put.ec.message());
+  std::vector<kvlink_test::rig::range> ranges;
+  for (const auto& [off, len] : spans) ranges.push_back({off, len, 32});
+  CHECK(r.check_remote(ranges) == "OK");  // the child copies them back through its device
+  CHECK(r.check_remote(4098, 1, 31) == "OK");
+
+  // Device here <-> device there.
+  const std::size_t n = 24u << 20;
+  kvlink::device_buffer mine{rt, 1, n};
+  r.engine.register_segment(mine.data(), n, kvlink::access::none);
+  const std::uint64_t at = (40u << 20) + 17;
+  const auto rd = r.run({{opcode::read, mine.data() + 5, r.remote, at, n - 9}});
+  REQUIRE_MESSAGE(!rd.ec, rd.ec.message());
+  CHECK(is_pattern(device_bytes(mine.data() + 5, n - 9).data(), n - 9, 31, at));
+  std::vector<std::byte> host(n);
+  fill_pattern(host.data(), n, 33, 0);
+  REQUIRE(!kvlink_test::device_copy(*rt, 1, mine.data(), host.data(), n));
+  const auto wr = r.run({{opcode::write, mine.data(), r.remote, 0, n}});
+  REQUIRE_MESSAGE(!wr.ec, wr.ec.message());
+  CHECK(r.check_remote(0, n, 33) == "OK");
+}
+
+TEST_CASE(
+    "shm between two processes: device memory this engine cannot import is refused, with why") {
+  // This engine has no device runtime: the child's device segment cannot be
+  // imported here. The peer says so, and its host memory is unaffected.
+  kvlink_test::rig r{
+      "rw", 35, "shm", {"--config", R"({"device": "emulated"})", "--device", "1"}, "none"};
+  REQUIRE(r.peer.transport() == "shm");
+  INFO(r.peer.transport_reason());
+  CHECK(r.peer.transport_reason().rfind("shm; device memory: the peer's (emulated) cannot be "
+                                        "imported here (this engine has no device runtime",
+                                        0) == 0);
+  const auto rd = r.run({r.req(opcode::read, 0, 0, 4096)});
+  CHECK(rd.ec == kvlink::errc::transport_unavailable);
+  const auto wr = r.run({r.req(opcode::write, 0, 0, 4096)});
+  CHECK(wr.ec == kvlink::errc::transport_unavailable);
+  CHECK(r.check_remote(0, 4096, 35) == "OK");  // nothing written
+  CHECK(r.peer.connected());
 }
 
 TEST_CASE("shm: the target's access grant holds") {
