@@ -66,10 +66,13 @@ inline std::error_code device_copy(kvlink::device_runtime& rt, std::int32_t devi
   if (!s) return ec;
   std::optional<std::error_code> done;
   // The completion comes from the stream's thread: without work the
-  // io_context would stop before it is posted, and never run it.
+  // io_context would stop before it is posted, and never run it. (A
+  // stream counts its copies as work; this guard does not rely on it.)
   auto work = asio::make_work_guard(io);
-  s->async_copy(dst, {}, src, {}, n, [&](std::error_code e) { done = e; });
-  // The stream keeps the io_context's work count up until `done` ran.
+  s->async_copy(dst, {}, src, {}, n, [&](std::error_code e) {
+    done = e;
+    work.reset();
+  });
   io.run();
   return done ? *done : make_error_code(kvlink::errc::device_error);
 }

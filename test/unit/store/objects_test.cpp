@@ -204,7 +204,7 @@ TEST_CASE("object_table: pins") {
 TEST_CASE("object_table: remove and remove_all") {
   object_table t;
   mount(t, 1, "s", 1 << 20);
-  for (int i = 0; i < 10; ++i) put(t, "k" + std::to_string(i), 100, at(0));
+  for (int i = 0; i < 10; ++i) put(t, std::string("k").append(std::to_string(i)), 100, at(0));
   replica_list w;
   REQUIRE_FALSE(t.put_start("inprog", 100, 7, {}, at(0), w));
   object_info info;
@@ -271,7 +271,8 @@ TEST_CASE("object_table: replicas go to distinct segments, preferred and same ho
   const segment_id c = mount(t, 3, "c", 1 << 20, "h2");
   for (int i = 0; i < 50; ++i) {
     replica_list w;
-    REQUIRE_FALSE(t.put_start("k" + std::to_string(i), 100, 7, {.replicas = 3}, at(0), w));
+    REQUIRE_FALSE(
+        t.put_start(std::string("k").append(std::to_string(i)), 100, 7, {.replicas = 3}, at(0), w));
     REQUIRE(w.size() == 3);
     std::set<segment_id> distinct;
     for (const auto& r : w) distinct.insert(r.segment);
@@ -289,14 +290,15 @@ TEST_CASE("object_table: replicas go to distinct segments, preferred and same ho
   CHECK(w[1].segment == a);
   // The writer's host next.
   for (int i = 0; i < 20; ++i) {
-    REQUIRE_FALSE(
-        t.put_start("h" + std::to_string(i), 100, 7, {.replicas = 2, .host = "h2"}, at(0), w));
+    REQUIRE_FALSE(t.put_start(std::string("h").append(std::to_string(i)), 100, 7,
+                              {.replicas = 2, .host = "h2"}, at(0), w));
     REQUIRE(w.size() == 2);
     CHECK((w[0].segment == b || w[0].segment == c));
     CHECK((w[1].segment == b || w[1].segment == c));
   }
   for (int i = 0; i < 20; ++i) {
-    REQUIRE_FALSE(t.put_start("host1-" + std::to_string(i), 100, 7, {.host = "h1"}, at(0), w));
+    REQUIRE_FALSE(t.put_start(std::string("host1-").append(std::to_string(i)), 100, 7,
+                              {.host = "h1"}, at(0), w));
     CHECK(w[0].segment == a);
   }
   // A preferred segment that is full or unknown is passed over.
@@ -309,11 +311,12 @@ TEST_CASE("object_table: random placement spreads, most_free fills the emptiest 
   {
     object_table t;
     std::vector<segment_id> segs;
-    for (int i = 0; i < 4; ++i) segs.push_back(mount(t, 1, "s" + std::to_string(i), 1 << 20));
+    for (int i = 0; i < 4; ++i)
+      segs.push_back(mount(t, 1, std::string("s").append(std::to_string(i)), 1 << 20));
     std::set<segment_id> used;
     for (int i = 0; i < 64; ++i) {
       replica_list w;
-      REQUIRE_FALSE(t.put_start("k" + std::to_string(i), 100, 7, {}, at(0), w));
+      REQUIRE_FALSE(t.put_start(std::string("k").append(std::to_string(i)), 100, 7, {}, at(0), w));
       used.insert(w[0].segment);
     }
     CHECK(used.size() == 4);
@@ -327,7 +330,8 @@ TEST_CASE("object_table: random placement spreads, most_free fills the emptiest 
     replica_list w;
     // The big one until both have the same free bytes, then alternating.
     for (int i = 0; i < 48; ++i) {
-      REQUIRE_FALSE(t.put_start("k" + std::to_string(i), 4 * kib, 7, {}, at(0), w));
+      REQUIRE_FALSE(
+          t.put_start(std::string("k").append(std::to_string(i)), 4 * kib, 7, {}, at(0), w));
       CHECK(w[0].segment == big);
     }
     const auto st = t.segments().stats();

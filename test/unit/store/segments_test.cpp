@@ -62,7 +62,7 @@ TEST_CASE("segment_table: the same seed places the same way") {
     segment_table t{64, placement_policy::random, seed};
     for (int i = 0; i < 8; ++i) {
       segment_id id;
-      REQUIRE_FALSE(t.mount({1, "s" + std::to_string(i), 1 << 20, ""}, id));
+      REQUIRE_FALSE(t.mount({1, std::string("s").append(std::to_string(i)), 1 << 20, ""}, id));
     }
     std::vector<segment_id> picks;
     std::array<segment_range, 1> out{};
