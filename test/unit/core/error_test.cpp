@@ -31,5 +31,6 @@ TEST_CASE("errc values are stable: new codes are appended") {
   CHECK(static_cast<int>(kvlink::errc::remote_memory_fault) == 24);
   CHECK(static_cast<int>(kvlink::errc::overlapping_destinations) == 25);
   CHECK(static_cast<int>(kvlink::errc::unsigned_entry) == 26);
-  CHECK(kvlink::errc_last == kvlink::errc::unsigned_entry);
+  CHECK(static_cast<int>(kvlink::errc::device_error) == 27);
+  CHECK(kvlink::errc_last == kvlink::errc::device_error);
 }
