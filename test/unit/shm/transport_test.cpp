@@ -630,7 +630,10 @@ TEST_CASE("shm path: hostile or impossible device grants are refused and given b
   std::vector<std::byte> mine(1 << 16);
   const int before = emulated_mappings();
   std::uintptr_t tag = 0;
-  for (const auto& [dev, expected] : cases) {
+  for (const auto& item : cases) {
+    // Not a structured binding: clang 14 cannot capture one (CAPTURE does).
+    const auto& dev = std::get<0>(item);
+    const auto expected = std::get<1>(item);
     CAPTURE(dev.dump());
     r.u.host.done.clear();
     r.sent.clear();
