@@ -90,7 +90,9 @@ __all__ = ["TransferEngine", "TransferOpcode", "TransferNotify", "Read", "Write"
 
 log = logging.getLogger("kvlink.mooncake")
 
-SUPPORT_CUDA = False
+# Whether this build reaches CUDA memory (kvlink::cuda linked), as Mooncake's
+# flag says whether it was built with CUDA; a GPU is still needed at run time.
+SUPPORT_CUDA = bool(getattr(_kvlink, "HAS_CUDA", False))
 SUPPORT_EFA = False
 SUPPORT_HIP = False
 SUPPORT_MNNVL = False
