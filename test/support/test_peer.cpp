@@ -138,6 +138,7 @@ std::shared_ptr<kvlink::device_runtime> device_rt;
 std::vector<std::byte> segment_bytes(std::span<std::byte> mem, std::uint64_t off,
                                      std::uint64_t len) {
   std::vector<std::byte> out(len);
+  if (len == 0) return out;  // out.data() may be null: no memcpy of nothing
   if (!device_rt) {
     std::memcpy(out.data(), mem.data() + off, len);
   } else if (auto ec = kvlink_test::device_copy(*device_rt, 0, out.data(), mem.data() + off, len)) {
