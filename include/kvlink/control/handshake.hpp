@@ -97,7 +97,22 @@ asio::awaitable<std::error_code> read_message(Stream& s, std::uint64_t max, nloh
 /// little memory.
 inline constexpr std::uint64_t max_handshake_message = 16u << 10;
 
-enum class role { control, lane };
+/// What a connection is for: an engine's control connection, a transport's
+/// lane, or a store client's connection to a store master
+/// (store/master/server.hpp), which an engine refuses.
+enum class role { control, lane, store };
+
+inline const char* to_string(role r) noexcept {
+  switch (r) {
+    case role::control:
+      return "control";
+    case role::lane:
+      return "lane";
+    case role::store:
+      return "store";
+  }
+  return "control";
+}
 
 /// The first message on every connection, from the connecting side.
 struct hello {
@@ -118,7 +133,7 @@ inline nlohmann::json to_json(const hello& h) {
   nlohmann::json j{{"type", "hello"},
                    {"protocol", h.protocol},
                    {"instance", to_string(h.instance)},
-                   {"role", h.r == role::control ? "control" : "lane"},
+                   {"role", to_string(h.r)},
                    {"lane", h.lane}};
   if (h.r == role::lane) j["transport"] = h.transport;
   if (h.expect) j["expect"] = to_string(*h.expect);
@@ -161,9 +176,11 @@ inline std::error_code parse_hello(const nlohmann::json& j, hello& h) {
     return errc::malformed_message;
   }
   const auto id = parse_instance_id(inst);
-  if (!id || !id->valid() || (r != "control" && r != "lane")) return errc::malformed_message;
+  if (!id || !id->valid() || (r != "control" && r != "lane" && r != "store")) {
+    return errc::malformed_message;
+  }
   h.instance = *id;
-  h.r = r == "control" ? role::control : role::lane;
+  h.r = r == "control" ? role::control : r == "lane" ? role::lane : role::store;
   if (const auto t = j.find("transport"); t != j.end()) {
     if (!t->is_string() || t->get_ref<const std::string&>().empty() ||
         t->get_ref<const std::string&>().size() > 32) {
@@ -248,8 +265,7 @@ asio::awaitable<std::error_code> client_handshake(Stream& s, hello h, std::uint6
     if (!secret) co_return errc::authentication_failed;  // it wants a secret we do not have
     const auto server = *parse_instance_id(inst);
     const auto expected =
-        auth.guard->server_proof(*h.client_nonce, server_nonce, h.instance,
-                                 h.r == role::control ? "control" : "lane", h.lane);
+        auth.guard->server_proof(*h.client_nonce, server_nonce, h.instance, to_string(h.r), h.lane);
     if (!peer_guard::same(their, expected)) co_return errc::authentication_failed;
     nlohmann::json response{
         {"type", "response"},
@@ -269,7 +285,7 @@ asio::awaitable<std::error_code> client_handshake(Stream& s, hello h, std::uint6
   unsigned proto = 0;
   if (!get_field(welcome, "protocol", proto)) co_return errc::malformed_message;
   if (proto != protocol_version) co_return errc::protocol_version_mismatch;
-  if (secret && established != nullptr && h.r == role::control) {
+  if (secret && established != nullptr && h.r != role::lane) {
     if (!get_field(welcome, "session", established->session)) co_return errc::malformed_message;
     established->key = auth.guard->session_key(*h.client_nonce, server_nonce);
   }
@@ -327,8 +343,7 @@ asio::awaitable<std::error_code> server_handshake(Stream& s, std::uint64_t max_m
           {"instance", to_string(auth.self)},
           {"nonce", hex_of(mine)},
           {"proof", hex_of(auth.guard->server_proof(*out.client_nonce, mine, out.instance,
-                                                    out.r == role::control ? "control" : "lane",
-                                                    out.lane))}};
+                                                    to_string(out.r), out.lane))}};
       ec = co_await write_message(s, challenge);
       nlohmann::json response;
       if (!ec) ec = co_await read_message(s, max_message, response);
@@ -354,7 +369,7 @@ asio::awaitable<std::error_code> server_handshake(Stream& s, std::uint64_t max_m
           ec = errc::authentication_failed;
         }
       }
-      if (!ec && out.r == role::control) {
+      if (!ec && out.r != role::lane) {
         established.session = peer_guard::make_session_id();
         established.key = auth.guard->session_key(*out.client_nonce, mine);
       }

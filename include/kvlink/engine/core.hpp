@@ -614,6 +614,7 @@ class engine_core final : public transport_host,
   std::error_code admit(const control::hello& h, const control::session_keys& session,
                         nlohmann::json& answer) override {
     if (shut_) return errc::peer_closed;
+    if (h.r == control::role::store) return errc::invalid_argument;  // not a store master
     if (h.r == control::role::control) {
       const auto d = descriptor();
       answer = control::make_welcome(d);
