@@ -1,5 +1,5 @@
-// A kvlink_test_peer child process (test/support/test_peer.cpp) for tests
-// that need a peer in another process: pipes to its stdin and from its
+// A kvlink_test_peer child process (test/support/test_peer.cpp), or another
+// line-driven test program, for tests that need a peer in another process: pipes to its stdin and from its
 // stdout, its address from its first line, commands answered line by line.
 // The destructor SIGKILLs it if it still runs and always reaps it; it gets
 // PR_SET_PDEATHSIG, so no process outlives the test.
@@ -19,11 +19,6 @@
 #include <sys/wait.h>
 #include <unistd.h>
 
-#ifndef KVLINK_TEST_PEER_PATH
-#error \
-    "KVLINK_TEST_PEER_PATH (the kvlink_test_peer executable) is set by test/support/CMakeLists.txt"
-#endif
-
 namespace kvlink_test {
 
 using namespace std::chrono_literals;
@@ -37,7 +32,16 @@ inline std::system_error sys_error(const char* what) {
 
 class peer_process {
  public:
-  explicit peer_process(std::vector<std::string> args) {
+#ifdef KVLINK_TEST_PEER_PATH
+  /// kvlink_test_peer (KVLINK_TEST_PEER_PATH, set by test/support/CMakeLists.txt).
+  explicit peer_process(std::vector<std::string> args)
+      : peer_process(KVLINK_TEST_PEER_PATH, std::move(args), "ADDR ") {}
+#endif
+
+  /// Another program of the same kind: `exe` with `args`, whose first line
+  /// starts with `ready` (its rest is address()); any other first line is
+  /// thrown as an error.
+  peer_process(const std::string& exe, std::vector<std::string> args, const std::string& ready) {
     // Writing to the pipe of a child that died must be an error, not SIGPIPE.
     std::signal(SIGPIPE, SIG_IGN);
     int in[2], out[2];
@@ -47,7 +51,7 @@ class peer_process {
       ::close(in[1]);
       throw sys_error("pipe2");
     }
-    args.insert(args.begin(), KVLINK_TEST_PEER_PATH);
+    args.insert(args.begin(), exe);
     std::vector<char*> argv;
     for (auto& a : args) argv.push_back(a.data());
     argv.push_back(nullptr);
@@ -74,13 +78,13 @@ class peer_process {
     to_child_ = in[1];
     from_child_ = out[0];
     const auto first = read_line();
-    if (first.rfind("ADDR ", 0) != 0) {
+    if (first.rfind(ready, 0) != 0) {
       kill_now();  // the destructor does not run for a constructor that throws
       close_fds();
-      throw std::runtime_error("kvlink_test_peer did not announce its address; it said '" + first +
-                               "'");
+      throw std::runtime_error(exe + " did not say it is ready ('" + ready + "...'); it said '" +
+                               first + "'");
     }
-    address_ = first.substr(5);
+    address_ = first.substr(ready.size());
   }
 
   ~peer_process() {

@@ -1,0 +1,1148 @@
+// A store client: puts and gets objects of the pool through a store master
+// (store/master/server.hpp, the kvlink-master program), moving their bytes
+// with a kvlink engine directly between clients, never through the master.
+//
+//   kvlink::engine eng{io.get_executor(), {.listen = "0.0.0.0:0"}};
+//   kvlink::store::client c{eng, {.master = "10.0.0.1:50051"}};
+//   co_await c.async_mount(pool, pool_bytes, asio::use_awaitable);  // serve 1 GiB to the pool
+//   eng.register_segment(buf, len);                     // buffers to put from and get into
+//   co_await c.async_put("key", buf, 4096, {}, asio::use_awaitable);
+//   auto size = co_await c.async_get("key", buf, len, asio::use_awaitable);
+//
+// (examples/store_client.cpp is the whole program.)
+//
+// Model (Mooncake Store's): a put asks the master for space (put_start: ranges
+// on distinct segments, one per replica, the object invisible), WRITEs the
+// bytes into every replica at once with the engine, then makes the object
+// visible (put_end) or gives the space back (put_revoke) when a write
+// failed. A get asks the master where the object lies (a read lease comes
+// with the answer), READs it from one replica (this client's own segment
+// first: a memcpy; then one on the same host; then the first; another
+// replica when that read fails) and fails with lease_expired when the lease
+// ran out before the bytes arrived. Objects are immutable; the first writer
+// wins.
+//
+// Buffers: the `data` of a put and the buffer of a get must lie in memory
+// registered with the engine (engine::register_segment), so the engine moves
+// the bytes without a copy; otherwise that key fails with not_registered.
+// They must stay valid until the handler runs. Keys are copied before the
+// initiating function returns.
+//
+// Batches take columns (keys[i], data[i], sizes[i]) and write one result per
+// key into the caller's `results` span, in input order; the handler's own
+// error_code is for the batch as a whole (the master unreachable,
+// invalid_argument for columns of different lengths). A key's result is a
+// store_errc (object_not_found, no_space, object_already_exists, ...) or the
+// engine's error for its transfer (peer_closed, not_registered, ...).
+//
+// The master: connected at the first operation (or async_connect), with the
+// engine's shared secret (or client_options::auth_secret); operations fail
+// with store_errc::rpc_failed while it cannot be reached and rpc_timeout
+// when it does not answer within request_timeout. The client sends
+// heartbeats, reconnects when the connection drops, and mounts its segments
+// again when the master no longer knows it (it restarted, or declared this
+// client gone).
+//
+// Thread safety: every member may be called from any thread; the client's
+// state lives on a strand of the engine's executor, and handlers run on
+// their associated executor (by default the engine's). The engine must
+// outlive the client; async_close() unmounts this client's segments and
+// unregisters them from the engine (the destructor only drops the master
+// connection).
+#pragma once
+
+#include <kvlink/control/handshake.hpp>
+#include <kvlink/core/address.hpp>
+#include <kvlink/core/instance.hpp>
+#include <kvlink/detail/erased_handler.hpp>
+#include <kvlink/detail/log.hpp>
+#include <kvlink/engine.hpp>
+#include <kvlink/store/error.hpp>
+#include <kvlink/store/wire/protocol.hpp>
+
+#include <algorithm>
+#include <chrono>
+#include <cstddef>
+#include <cstdint>
+#include <cstring>
+#include <deque>
+#include <fstream>
+#include <iterator>
+#include <memory>
+#include <span>
+#include <string>
+#include <string_view>
+#include <system_error>
+#include <tuple>
+#include <unordered_map>
+#include <utility>
+#include <vector>
+
+#include <asio/async_result.hpp>
+#include <asio/bind_executor.hpp>
+#include <asio/co_spawn.hpp>
+#include <asio/ip/tcp.hpp>
+#include <asio/post.hpp>
+#include <asio/read.hpp>
+#include <asio/steady_timer.hpp>
+#include <asio/strand.hpp>
+#include <asio/write.hpp>
+#include <nlohmann/json.hpp>
+
+namespace kvlink::store {
+
+struct client_options {
+  /// The master's "host:port".
+  std::string master = "127.0.0.1:50051";
+  /// The shared secret; empty: the engine's (config.auth_secret or
+  /// auth_secret_file), which is what a cluster normally shares.
+  std::string auth_secret{};
+  std::chrono::milliseconds connect_timeout{5'000};
+  /// A request the master has not answered in this time fails with rpc_timeout.
+  std::chrono::milliseconds request_timeout{10'000};
+  /// Between attempts to reach a master that went away.
+  std::chrono::milliseconds reconnect_interval{500};
+  /// The largest reply accepted (bytes of a frame's body).
+  std::uint32_t max_body = wire::default_max_body;
+};
+
+/// How a put wants its objects placed and kept (Mooncake's ReplicateConfig).
+struct put_config {
+  std::size_t replicas = 1;                   ///< on distinct segments, 1..8 (fewer when fewer fit)
+  std::vector<std::uint64_t> preferred;       ///< store segment ids tried first (async_mount's)
+  bool soft_pin = false;                      ///< evicted only when nothing else is
+  std::chrono::milliseconds soft_pin_ttl{0};  ///< 0: the master's default
+  bool hard_pin = false;                      ///< never evicted; removed only by force
+};
+
+namespace detail {
+
+inline std::string read_secret_file(const std::string& path) {
+  std::ifstream in(path, std::ios::binary);
+  std::string s((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+  while (!s.empty() && (s.back() == '\n' || s.back() == '\r')) s.pop_back();
+  return s;
+}
+
+// Everything of a client, on its strand; coroutines hold it alive.
+class client_state : public std::enable_shared_from_this<client_state> {
+ public:
+  using strand_type = asio::strand<asio::any_io_executor>;
+  template <class... T>
+  using result = std::tuple<std::error_code, T...>;
+
+  client_state(engine& eng, client_options opt)
+      : eng_(eng),
+        opt_(std::move(opt)),
+        strand_(asio::make_strand(eng.get_executor())),
+        tick_(strand_),
+        self_(make_instance_id()) {
+    std::string secret = opt_.auth_secret;
+    if (secret.empty()) secret = eng.get_config().auth_secret;
+    if (secret.empty() && !eng.get_config().auth_secret_file.empty()) {
+      secret = read_secret_file(eng.get_config().auth_secret_file);
+    }
+    if (!secret.empty()) guard_ = control::peer_guard(std::move(secret));
+    std::string_view host;
+    std::uint16_t port = 0;
+    if (split_host_port(eng.local_address(), host, port)) host_ = std::string(host);
+  }
+
+  strand_type& strand() noexcept { return strand_; }
+  asio::any_io_executor executor() const { return eng_.get_executor(); }
+  std::uint64_t client_id() const noexcept { return client_id_; }
+
+  // ------------------------------------------------------------ the master
+
+  asio::awaitable<std::error_code> connect() {
+    if (closed_) co_return make_error_code(errc::cancelled);
+    if (socket_ && connected_) co_return std::error_code{};
+    if (connecting_) {
+      auto [ec] =
+          co_await asio::async_initiate<decltype(control::use_nothrow), void(std::error_code)>(
+              [this](auto h) { connect_waiters_.emplace_back(std::move(h), strand_); },
+              control::use_nothrow);
+      co_return ec;
+    }
+    connecting_ = true;
+    const auto ec = co_await dial();
+    connecting_ = false;
+    auto waiters = std::move(connect_waiters_);
+    connect_waiters_.clear();
+    for (auto& w : waiters) w.complete(ec);
+    if (!ec && !ticking_) {
+      ticking_ = true;
+      asio::co_spawn(strand_, ticker(shared_from_this()), asio::detached);
+    }
+    co_return ec;
+  }
+
+  /// Sends one request frame (built with id 0) and waits for its reply's
+  /// body. Errors: the connection's (rpc_failed, rpc_timeout, cancelled);
+  /// the reply's status is the caller's to read.
+  asio::awaitable<result<std::string>> call(std::string frame) {
+    if (auto ec = co_await connect()) co_return result<std::string>{ec, {}};
+    const std::uint64_t id = ++next_id_;
+    wire::detail::put_le(reinterpret_cast<unsigned char*>(frame.data()) + 16, id, 8);
+    const auto deadline = std::chrono::steady_clock::now() + opt_.request_timeout;
+    auto [ec, body] = co_await asio::async_initiate<decltype(control::use_nothrow),
+                                                    void(std::error_code, std::string)>(
+        [this, id, deadline, &frame](auto h) {
+          pending_.emplace(
+              id, pending_call{kvlink::detail::erased_handler<void(std::error_code, std::string)>(
+                                   std::move(h), strand_),
+                               deadline});
+          send(std::move(frame));
+        },
+        control::use_nothrow);
+    co_return result<std::string>{ec, std::move(body)};
+  }
+
+  /// call() and the reply's status; `r` reads the rest of the body.
+  asio::awaitable<std::error_code> request(std::string frame, std::string& body) {
+    auto [ec, b] = co_await call(std::move(frame));
+    if (ec) co_return ec;
+    body = std::move(b);
+    wire::reader r(body);
+    std::string_view message;
+    const auto st = r.status(&message);
+    if (!r.ok()) co_return make_error_code(errc::malformed_message);
+    if (st) co_return st;
+    // Hand back what follows the status.
+    body.erase(0, body.size() - r.remaining());
+    co_return std::error_code{};
+  }
+
+  // ------------------------------------------------------------ segments
+
+  asio::awaitable<result<std::uint64_t>> mount(void* base, std::uint64_t size) {
+    std::error_code ec;
+    const auto seg = eng_.register_segment(base, size, access::remote_read_write, ec);
+    if (ec) co_return result<std::uint64_t>{ec, 0};
+    mount_rec m{static_cast<std::byte*>(base), size, seg, 0};
+    if (auto mec = co_await mount_at_master(m)) {
+      auto [uec] = co_await eng_.async_unregister_segment(seg, control::use_nothrow);
+      (void)uec;
+      co_return result<std::uint64_t>{mec, 0};
+    }
+    mounts_.push_back(m);
+    co_return result<std::uint64_t>{std::error_code{}, m.master_segment};
+  }
+
+  // ------------------------------------------------------------ operations
+
+  struct put_batch_args {
+    std::vector<std::string> keys;
+    std::vector<const void*> data;
+    std::vector<std::uint64_t> sizes;
+    std::vector<std::string> parents;
+    put_config cfg;
+    std::span<std::error_code> results;
+  };
+
+  asio::awaitable<std::error_code> put(put_batch_args a) {
+    const std::size_t n = a.keys.size();
+    std::fill(a.results.begin(), a.results.end(), std::error_code{});
+    if (n == 0) co_return std::error_code{};
+    wire::writer w(wire::message_type::put_start, 0, false);
+    {
+      wire::put_start_request q;
+      q.replicas = static_cast<std::uint8_t>(a.cfg.replicas);
+      q.flags = static_cast<std::uint8_t>((a.cfg.soft_pin ? q.flag_soft_pin : 0) |
+                                          (a.cfg.hard_pin ? q.flag_hard_pin : 0));
+      q.soft_pin_ms = static_cast<std::uint32_t>(
+          std::min<std::int64_t>(a.cfg.soft_pin_ttl.count(), UINT32_MAX));
+      q.preferred = a.cfg.preferred;
+      q.keys.assign(a.keys.begin(), a.keys.end());
+      q.sizes = a.sizes;
+      q.parents.assign(a.parents.begin(), a.parents.end());
+      q.encode(w);
+    }
+    std::string body;
+    if (auto ec = co_await request(w.take(), body)) co_return ec;
+    wire::placement_list placed;
+    {
+      wire::reader r(body);
+      if (placed.decode(r, false) || placed.entries.size() != n) {
+        co_return make_error_code(errc::malformed_message);
+      }
+    }
+    // The writes: every replica of every placed key, grouped by peer.
+    std::vector<char> placed_ok(n, 0);
+    std::vector<group> groups;
+    for (std::size_t i = 0; i < n; ++i) {
+      const auto& e = placed.entries[i];
+      if (e.code != 0) {
+        a.results[i] = store_error(e.code);
+        continue;
+      }
+      placed_ok[i] = 1;
+      for (const auto& rep : e.list()) {
+        const location* loc = nullptr;
+        if (auto ec = co_await locate(rep.segment, loc)) {
+          if (!a.results[i]) a.results[i] = ec;
+          continue;
+        }
+        if (rep.offset > loc->size || a.sizes[i] > loc->size - rep.offset) {
+          a.results[i] = make_error_code(store_errc::internal_error);
+          continue;
+        }
+        if (loc->local != nullptr) {
+          std::memcpy(loc->local + rep.offset, a.data[i], a.sizes[i]);
+          continue;
+        }
+        group_of(groups, loc->remote.peer, rep.segment)
+            .add(i, transfer_request{opcode::write, const_cast<void*>(a.data[i]), loc->remote,
+                                     rep.offset, a.sizes[i]});
+      }
+    }
+    co_await run_groups(groups);
+    for (auto& g : groups) {
+      if (!g.ec) continue;
+      forget(g.segment);
+      for (const auto k : g.keys) {
+        if (!a.results[k]) a.results[k] = g.ec;
+      }
+    }
+    // Visible, or given back.
+    std::vector<std::size_t> done, failed;
+    for (std::size_t i = 0; i < n; ++i) {
+      if (!placed_ok[i]) continue;
+      (a.results[i] ? failed : done).push_back(i);
+    }
+    if (!failed.empty()) {
+      std::vector<std::error_code> ignored(failed.size());
+      (void)co_await keys_call(wire::message_type::put_revoke, a.keys, failed, false, ignored);
+    }
+    if (!done.empty()) {
+      std::vector<std::error_code> codes(done.size());
+      if (auto ec = co_await keys_call(wire::message_type::put_end, a.keys, done, false, codes)) {
+        for (const auto i : done) a.results[i] = ec;
+      } else {
+        for (std::size_t j = 0; j < done.size(); ++j) a.results[done[j]] = codes[j];
+      }
+    }
+    co_return std::error_code{};
+  }
+
+  struct get_batch_args {
+    std::vector<std::string> keys;
+    std::vector<void*> buffers;
+    std::vector<std::uint64_t> capacities;
+    std::span<std::uint64_t> sizes;
+    std::span<std::error_code> results;
+  };
+
+  asio::awaitable<std::error_code> get(get_batch_args a) {
+    const std::size_t n = a.keys.size();
+    std::fill(a.results.begin(), a.results.end(), std::error_code{});
+    std::fill(a.sizes.begin(), a.sizes.end(), std::uint64_t{0});
+    if (n == 0) co_return std::error_code{};
+    wire::writer w(wire::message_type::get, 0, false);
+    wire::key_batch q;
+    q.keys.assign(a.keys.begin(), a.keys.end());
+    q.encode(w, false);
+    const auto sent = std::chrono::steady_clock::now();
+    std::string body;
+    if (auto ec = co_await request(w.take(), body)) co_return ec;
+    wire::placement_list placed;
+    {
+      wire::reader r(body);
+      if (placed.decode(r, true) || placed.entries.size() != n) {
+        co_return make_error_code(errc::malformed_message);
+      }
+    }
+    // Replicas in the order they are tried: ours, this host's, the rest.
+    std::vector<std::vector<wire::wire_replica>> order(n);
+    for (std::size_t i = 0; i < n; ++i) {
+      const auto& e = placed.entries[i];
+      if (e.code != 0) {
+        a.results[i] = store_error(e.code);
+        continue;
+      }
+      if (e.size > a.capacities[i]) {
+        a.results[i] = make_error_code(store_errc::buffer_overflow);
+        continue;
+      }
+      a.sizes[i] = e.size;
+      std::vector<std::pair<int, wire::wire_replica>> ranked;
+      for (const auto& rep : e.list()) {
+        const location* loc = nullptr;
+        const int rank = co_await locate(rep.segment, loc) ? 3
+                         : loc->local != nullptr           ? 0
+                         : loc->host == host_              ? 1
+                                                           : 2;
+        ranked.emplace_back(rank, rep);
+      }
+      std::stable_sort(ranked.begin(), ranked.end(),
+                       [](const auto& x, const auto& y) { return x.first < y.first; });
+      for (const auto& [rank, rep] : ranked) order[i].push_back(rep);
+      if (order[i].empty()) a.results[i] = make_error_code(store_errc::object_not_found);
+    }
+    // Rounds: each key reads its next replica until one read succeeds.
+    std::vector<std::size_t> next(n, 0);
+    std::vector<char> pending(n, 0);
+    for (std::size_t i = 0; i < n; ++i) pending[i] = !a.results[i] && !order[i].empty();
+    for (std::size_t round = 0; round < wire::max_wire_replicas; ++round) {
+      std::vector<group> groups;
+      bool any = false;
+      for (std::size_t i = 0; i < n; ++i) {
+        if (!pending[i]) continue;
+        if (next[i] >= order[i].size()) {
+          pending[i] = 0;
+          continue;
+        }
+        const auto rep = order[i][next[i]++];
+        const location* loc = nullptr;
+        if (auto ec = co_await locate(rep.segment, loc)) {
+          a.results[i] = ec;
+          continue;
+        }
+        if (rep.offset > loc->size || a.sizes[i] > loc->size - rep.offset) {
+          a.results[i] = make_error_code(store_errc::internal_error);
+          continue;
+        }
+        if (loc->local != nullptr) {
+          std::memcpy(a.buffers[i], loc->local + rep.offset, a.sizes[i]);
+          a.results[i] = {};
+          pending[i] = 0;
+          continue;
+        }
+        any = true;
+        group_of(groups, loc->remote.peer, rep.segment)
+            .add(i,
+                 transfer_request{opcode::read, a.buffers[i], loc->remote, rep.offset, a.sizes[i]});
+      }
+      if (!any) break;
+      co_await run_groups(groups);
+      for (auto& g : groups) {
+        if (g.ec) forget(g.segment);
+        for (const auto k : g.keys) {
+          a.results[k] = g.ec;
+          if (!g.ec) pending[k] = 0;
+        }
+      }
+    }
+    // The lease: the read must have finished before it ran out (it is
+    // counted from when the request left, so never later than the master's).
+    const auto now = std::chrono::steady_clock::now();
+    for (std::size_t i = 0; i < n; ++i) {
+      if (a.results[i] || placed.entries[i].code != 0) {
+        if (a.results[i]) a.sizes[i] = 0;
+        continue;
+      }
+      if (now > sent + std::chrono::milliseconds(placed.entries[i].lease_ms)) {
+        a.results[i] = make_error_code(store_errc::lease_expired);
+        a.sizes[i] = 0;
+      }
+    }
+    co_return std::error_code{};
+  }
+
+  /// exists (0: it exists), remove, put_end, put_revoke over all `keys`.
+  asio::awaitable<std::error_code> keys_op(wire::message_type type, std::vector<std::string> keys,
+                                           bool force, std::span<std::error_code> results) {
+    std::vector<std::size_t> all(keys.size());
+    for (std::size_t i = 0; i < all.size(); ++i) all[i] = i;
+    std::fill(results.begin(), results.end(), std::error_code{});
+    if (keys.empty()) co_return std::error_code{};
+    co_return co_await keys_call(type, keys, all, force, results);
+  }
+
+  // Single-key forms and checked batches, for the initiating functions.
+  asio::awaitable<result<>> connect_op() { co_return result<>{co_await connect()}; }
+  asio::awaitable<result<>> close_op() { co_return result<>{co_await close()}; }
+  asio::awaitable<result<>> put_op(put_batch_args a, bool ok) {
+    if (!ok) co_return result<>{make_error_code(errc::invalid_argument)};
+    co_return result<>{co_await put(std::move(a))};
+  }
+  asio::awaitable<result<>> put_one(put_batch_args a) {
+    std::error_code r;
+    a.results = std::span<std::error_code>(&r, 1);
+    const auto ec = co_await put(std::move(a));
+    co_return result<>{ec ? ec : r};
+  }
+  asio::awaitable<result<>> get_op(get_batch_args a, bool ok) {
+    if (!ok) co_return result<>{make_error_code(errc::invalid_argument)};
+    co_return result<>{co_await get(std::move(a))};
+  }
+  asio::awaitable<result<std::uint64_t>> get_one(get_batch_args a) {
+    std::error_code r;
+    std::uint64_t size = 0;
+    a.results = std::span<std::error_code>(&r, 1);
+    a.sizes = std::span<std::uint64_t>(&size, 1);
+    const auto ec = co_await get(std::move(a));
+    if (ec || r) co_return result<std::uint64_t>{ec ? ec : r, 0};
+    co_return result<std::uint64_t>{std::error_code{}, size};
+  }
+  asio::awaitable<result<>> keys_batch(wire::message_type type, std::vector<std::string> keys,
+                                       bool force, std::span<std::error_code> results, bool ok) {
+    if (!ok) co_return result<>{make_error_code(errc::invalid_argument)};
+    co_return result<>{co_await keys_op(type, std::move(keys), force, results)};
+  }
+  asio::awaitable<result<>> remove_one(std::string key, bool force) {
+    std::error_code r;
+    std::vector<std::string> keys{std::move(key)};
+    const auto ec = co_await keys_op(wire::message_type::remove, std::move(keys), force,
+                                     std::span<std::error_code>(&r, 1));
+    co_return result<>{ec ? ec : r};
+  }
+  asio::awaitable<result<bool>> exists_one(std::string key) {
+    std::error_code r;
+    std::vector<std::string> keys{std::move(key)};
+    const auto ec = co_await keys_op(wire::message_type::exists, std::move(keys), false,
+                                     std::span<std::error_code>(&r, 1));
+    if (ec) co_return result<bool>{ec, false};
+    if (!r) co_return result<bool>{std::error_code{}, true};
+    if (r == store_errc::object_not_found || r == store_errc::object_in_progress) {
+      co_return result<bool>{std::error_code{}, false};
+    }
+    co_return result<bool>{r, false};
+  }
+
+  asio::awaitable<result<std::uint64_t>> remove_all(bool force) {
+    wire::writer w(wire::message_type::remove_all, 0, false);
+    w.u8(force ? 1 : 0);
+    std::string body;
+    if (auto ec = co_await request(w.take(), body)) co_return result<std::uint64_t>{ec, 0};
+    wire::reader r(body);
+    const auto n = r.u64();
+    if (auto ec = r.finish()) co_return result<std::uint64_t>{ec, 0};
+    co_return result<std::uint64_t>{std::error_code{}, n};
+  }
+
+  asio::awaitable<result<wire::stats_reply>> stats() {
+    wire::writer w(wire::message_type::stats, 0, false);
+    std::string body;
+    if (auto ec = co_await request(w.take(), body)) co_return result<wire::stats_reply>{ec, {}};
+    wire::reader r(body);
+    wire::stats_reply s;
+    if (auto ec = s.decode(r)) co_return result<wire::stats_reply>{ec, {}};
+    co_return result<wire::stats_reply>{std::error_code{}, s};
+  }
+
+  // The destructor's: no more operations, no I/O, the engine untouched.
+  void abandon() {
+    closed_ = true;
+    drop_connection(make_error_code(errc::cancelled));
+    tick_.cancel();
+  }
+
+  asio::awaitable<std::error_code> close() {
+    if (closed_) co_return std::error_code{};
+    // Our segments leave the pool first (their objects with them), then
+    // the engine forgets them.
+    if (connected_) {
+      for (const auto& m : mounts_) {
+        wire::writer w(wire::message_type::unmount, 0, false);
+        w.u64(m.master_segment);
+        std::string body;
+        (void)co_await request(w.take(), body);
+      }
+    }
+    closed_ = true;
+    for (const auto& m : mounts_) {
+      auto [ec] = co_await eng_.async_unregister_segment(m.engine_segment, control::use_nothrow);
+      (void)ec;
+    }
+    mounts_.clear();
+    drop_connection(make_error_code(errc::cancelled));
+    tick_.cancel();
+    co_return std::error_code{};
+  }
+
+ private:
+  struct pending_call {
+    kvlink::detail::erased_handler<void(std::error_code, std::string)> handler;
+    std::chrono::steady_clock::time_point deadline;
+  };
+  struct mount_rec {
+    std::byte* base = nullptr;
+    std::uint64_t size = 0;
+    segment_id engine_segment{};
+    std::uint64_t master_segment = 0;
+  };
+  struct location {
+    std::byte* local = nullptr;  ///< this client's own segment: copied, not transferred
+    remote_segment remote{};
+    std::uint64_t size = 0;
+    std::string host;
+  };
+  // Transfers to one peer's segment, and the keys they carry.
+  struct group {
+    peer_id peer;
+    std::uint64_t segment = 0;
+    std::vector<transfer_request> reqs;
+    std::vector<std::size_t> keys;
+    std::error_code ec;
+    void add(std::size_t key, const transfer_request& r) {
+      reqs.push_back(r);
+      keys.push_back(key);
+    }
+  };
+
+  static std::error_code store_error(std::uint32_t code) {
+    return {static_cast<int>(code), store_error_category()};
+  }
+
+  static group& group_of(std::vector<group>& gs, peer_id p, std::uint64_t segment) {
+    for (auto& g : gs) {
+      if (g.segment == segment) return g;
+    }
+    gs.push_back(group{p, segment, {}, {}, {}});
+    return gs.back();
+  }
+
+  // Submits every group at once; each gets its transfer's error.
+  asio::awaitable<void> run_groups(std::vector<group>& groups) {
+    if (groups.empty()) co_return;
+    struct join {
+      std::size_t left = 0;
+      kvlink::detail::erased_handler<void(std::error_code)> done;
+    };
+    auto j = std::make_shared<join>();
+    j->left = groups.size();
+    for (auto& g : groups) {
+      eng_.async_submit_transfer(g.reqs,
+                                 asio::bind_executor(asio::any_io_executor(strand_),
+                                                     [j, &g](std::error_code ec, transfer_result) {
+                                                       g.ec = ec;
+                                                       if (--j->left == 0) j->done.complete({});
+                                                     }));
+    }
+    auto [ec] =
+        co_await asio::async_initiate<decltype(control::use_nothrow), void(std::error_code)>(
+            [this, j](auto h) {
+              j->done =
+                  kvlink::detail::erased_handler<void(std::error_code)>(std::move(h), strand_);
+              if (j->left == 0) j->done.complete({});
+            },
+            control::use_nothrow);
+    (void)ec;
+  }
+
+  // Where a store segment's bytes are: ours, or a peer's (connected).
+  asio::awaitable<std::error_code> locate(std::uint64_t segment, const location*& out) {
+    if (auto it = locations_.find(segment); it != locations_.end()) {
+      out = &it->second;
+      co_return std::error_code{};
+    }
+    for (const auto& m : mounts_) {
+      if (m.master_segment == segment) {
+        auto& loc = locations_[segment];
+        loc.local = m.base;
+        loc.size = m.size;
+        loc.host = host_;
+        out = &loc;
+        co_return std::error_code{};
+      }
+    }
+    wire::writer w(wire::message_type::segment_info, 0, false);
+    w.u64(segment);
+    std::string body;
+    if (auto ec = co_await request(w.take(), body)) co_return ec;
+    wire::segment_location where;
+    {
+      wire::reader r(body);
+      if (auto ec = where.decode(r)) co_return ec;
+    }
+    const std::string address(where.address);
+    const std::string host(where.host);
+    const std::uint64_t engine_segment = where.engine_segment;
+    const std::uint64_t size = where.size;
+    if (address.empty()) co_return make_error_code(store_errc::segment_not_found);
+    auto [cec, p] = co_await eng_.async_connect(address, control::use_nothrow);
+    if (cec) co_return cec;
+    auto& loc = locations_[segment];
+    loc.remote = p.segment(segment_id{engine_segment});
+    loc.size = size;
+    loc.host = host;
+    out = &loc;
+    co_return std::error_code{};
+  }
+
+  void forget(std::uint64_t segment) {
+    auto it = locations_.find(segment);
+    if (it != locations_.end() && it->second.local == nullptr) locations_.erase(it);
+  }
+
+  asio::awaitable<std::error_code> keys_call(wire::message_type type,
+                                             const std::vector<std::string>& keys,
+                                             const std::vector<std::size_t>& which, bool force,
+                                             std::span<std::error_code> results) {
+    wire::writer w(type, 0, false);
+    wire::key_batch q;
+    q.force = force;
+    q.keys.reserve(which.size());
+    for (const auto i : which) q.keys.push_back(keys[i]);
+    q.encode(w, type == wire::message_type::remove);
+    std::string body;
+    if (auto ec = co_await request(w.take(), body)) co_return ec;
+    wire::code_list codes;
+    wire::reader r(body);
+    if (codes.decode(r) || codes.codes.size() != which.size()) {
+      co_return make_error_code(errc::malformed_message);
+    }
+    for (std::size_t j = 0; j < which.size(); ++j) {
+      results[results.size() == which.size() ? j : which[j]] =
+          codes.codes[j] == 0 ? std::error_code{} : store_error(codes.codes[j]);
+    }
+    co_return std::error_code{};
+  }
+
+  asio::awaitable<std::error_code> mount_at_master(mount_rec& m) {
+    wire::writer w(wire::message_type::mount, 0, false);
+    const std::string name = "engine-segment-" + std::to_string(m.engine_segment.value());
+    wire::mount_request q{name, m.size, m.engine_segment.value()};
+    q.encode(w);
+    std::string body;
+    if (auto ec = co_await request(w.take(), body)) co_return ec;
+    wire::reader r(body);
+    m.master_segment = r.u64();
+    co_return r.finish();
+  }
+
+  // Connects and authenticates; mounts our segments again when the master
+  // does not know us.
+  asio::awaitable<std::error_code> dial() {
+    std::string_view host;
+    std::uint16_t port = 0;
+    if (!split_host_port(opt_.master, host, port)) {
+      co_return make_error_code(errc::invalid_argument);
+    }
+    asio::ip::tcp::resolver resolver(strand_);
+    const std::string host_text(host), port_text = std::to_string(port);
+    auto [rec, eps] = co_await resolver.async_resolve(host_text, port_text, control::use_nothrow);
+    if (rec || eps.empty()) co_return unreachable("cannot resolve the master's address");
+    auto sock = std::make_shared<asio::ip::tcp::socket>(strand_);
+    control::hello hello;
+    hello.instance = self_;
+    hello.r = control::role::store;
+    hello.address = eng_.local_address();
+    nlohmann::json welcome;
+    const control::client_auth auth{&guard_, {}, {}};
+    const control::socket_options options{true, 0};
+    const auto timeout = opt_.connect_timeout;
+    auto ec = co_await control::dial(*sock, eps, timeout, options, hello,
+                                     control::max_handshake_message, auth, welcome);
+    if (ec == errc::peer_unreachable) co_return unreachable("no answer");
+    if (ec) {
+      log_once("store: the master at {} refused this client: {}{}", opt_.master, ec.message(),
+               ec == errc::invalid_argument ? " (is it a kvlink engine, not a store master?)" : "");
+      co_return ec == errc::authentication_failed || ec == errc::protocol_version_mismatch
+          ? ec
+          : make_error_code(store_errc::rpc_failed);
+    }
+    const auto store = welcome.find("store");
+    const auto master = parse_instance_id(welcome.value("instance", std::string{}));
+    if (store == welcome.end() || !store->is_object() || !master) {
+      co_return make_error_code(errc::malformed_message);
+    }
+    const bool known = store->value("known", false);
+    client_id_ = store->value("client", std::uint64_t{0});
+    heartbeat_ = std::chrono::milliseconds(store->value("heartbeat_ms", std::uint64_t{1000}));
+    if (heartbeat_.count() <= 0) heartbeat_ = std::chrono::milliseconds(1000);
+    if (*master != master_) locations_.clear();  // another master: its segment ids are new
+    master_ = *master;
+    socket_ = std::move(sock);
+    connected_ = true;
+    logged_unreachable_ = false;
+    asio::co_spawn(strand_, read_loop(shared_from_this(), socket_), asio::detached);
+    if (!known && !mounts_.empty()) {
+      for (auto& m : mounts_) {
+        if (auto mec = co_await mount_at_master(m)) {
+          kvlink::detail::log("store: mounting a segment again at the master {} failed: {}",
+                              opt_.master, mec.message());
+        }
+      }
+      locations_.clear();
+    }
+    co_return std::error_code{};
+  }
+
+  std::error_code unreachable(std::string_view why) {
+    if (!logged_unreachable_) {
+      logged_unreachable_ = true;
+      kvlink::detail::log("store: the master at {} cannot be reached ({}); retrying every {} ms",
+                          opt_.master, why, opt_.reconnect_interval.count());
+    }
+    return make_error_code(store_errc::rpc_failed);
+  }
+
+  template <class... Args>
+  void log_once(fmt::format_string<Args...> f, Args&&... args) {
+    if (logged_unreachable_) return;
+    logged_unreachable_ = true;
+    kvlink::detail::log(f, std::forward<Args>(args)...);
+  }
+
+  void send(std::string frame) {
+    out_.push_back(std::move(frame));
+    if (!writing_ && socket_) {
+      writing_ = true;
+      asio::co_spawn(strand_, write_loop(shared_from_this(), socket_), asio::detached);
+    }
+  }
+
+  static asio::awaitable<void> write_loop(std::shared_ptr<client_state> self,
+                                          std::shared_ptr<asio::ip::tcp::socket> sock) {
+    while (!self->out_.empty() && self->socket_ == sock) {
+      std::vector<std::string> batch;
+      while (!self->out_.empty() && batch.size() < 64) {
+        batch.push_back(std::move(self->out_.front()));
+        self->out_.pop_front();
+      }
+      std::vector<asio::const_buffer> bufs;
+      bufs.reserve(batch.size());
+      for (const auto& f : batch) bufs.push_back(asio::buffer(f));
+      auto [ec, n] = co_await asio::async_write(*sock, bufs, control::use_nothrow);
+      (void)n;
+      if (ec) {
+        if (self->socket_ == sock) self->drop_connection(make_error_code(store_errc::rpc_failed));
+        break;
+      }
+    }
+    self->writing_ = false;
+  }
+
+  static asio::awaitable<void> read_loop(std::shared_ptr<client_state> self,
+                                         std::shared_ptr<asio::ip::tcp::socket> sock) {
+    std::error_code why = make_error_code(store_errc::rpc_failed);
+    for (;;) {
+      wire::header_bytes hb{};
+      auto [ec, n] = co_await asio::async_read(*sock, asio::buffer(hb), control::use_nothrow);
+      (void)n;
+      if (ec) break;
+      wire::frame_header h;
+      if (auto dec = wire::decode_header(hb, self->opt_.max_body, h); dec || !h.is_reply()) {
+        kvlink::detail::log(
+            "store: the master at {} sent a frame this client cannot read ({}); reconnecting",
+            self->opt_.master, dec ? dec.message() : std::string("not a reply"));
+        why = dec ? dec : make_error_code(errc::malformed_message);
+        break;
+      }
+      std::string body(h.body_length, '\0');
+      auto [ec2, n2] = co_await asio::async_read(*sock, asio::buffer(body), control::use_nothrow);
+      (void)n2;
+      if (ec2) break;
+      if (auto it = self->pending_.find(h.id); it != self->pending_.end()) {
+        auto handler = std::move(it->second.handler);
+        self->pending_.erase(it);
+        handler.complete({}, std::move(body));
+      }
+    }
+    if (self->socket_ == sock) self->drop_connection(why);
+  }
+
+  void drop_connection(std::error_code why) {
+    if (socket_) {
+      std::error_code ignored;
+      socket_->close(ignored);
+    }
+    socket_.reset();
+    connected_ = false;
+    out_.clear();
+    auto pending = std::move(pending_);
+    pending_.clear();
+    for (auto& [id, p] : pending) p.handler.complete(why, {});
+  }
+
+  // Heartbeats, request timeouts, reconnection; one tick at a time.
+  static asio::awaitable<void> ticker(std::shared_ptr<client_state> self) {
+    auto last_beat = std::chrono::steady_clock::now();
+    while (!self->closed_) {
+      const auto step = std::min<std::chrono::milliseconds>(
+          std::chrono::milliseconds(100),
+          std::min(self->heartbeat_, self->opt_.reconnect_interval));
+      self->tick_.expires_after(step);
+      auto [ec] = co_await self->tick_.async_wait(control::use_nothrow);
+      if (self->closed_) break;
+      (void)ec;
+      const auto now = std::chrono::steady_clock::now();
+      // Requests the master did not answer in time.
+      std::vector<std::uint64_t> late;
+      for (const auto& [id, p] : self->pending_) {
+        if (p.deadline < now) late.push_back(id);
+      }
+      for (const auto id : late) {
+        auto it = self->pending_.find(id);
+        auto handler = std::move(it->second.handler);
+        self->pending_.erase(it);
+        handler.complete(make_error_code(store_errc::rpc_timeout), {});
+      }
+      if (!self->connected_) {
+        if (!self->connecting_ && now - last_beat >= self->opt_.reconnect_interval) {
+          last_beat = now;
+          (void)co_await self->connect();
+        }
+        continue;
+      }
+      if (now - last_beat < self->heartbeat_) continue;
+      last_beat = now;
+      asio::co_spawn(self->strand_, heartbeat(self), asio::detached);
+    }
+  }
+
+  static asio::awaitable<void> heartbeat(std::shared_ptr<client_state> self) {
+    wire::writer w(wire::message_type::heartbeat, 0, false);
+    std::string body;
+    if (co_await self->request(w.take(), body)) co_return;
+    wire::reader r(body);
+    const bool known = r.u8() != 0;
+    if (r.finish() || known || self->closed_) co_return;
+    // The master forgot us (it declared this client gone): mount again.
+    kvlink::detail::log(
+        "store: the master at {} no longer knows this client; mounting its segments again",
+        self->opt_.master);
+    for (auto& m : self->mounts_) (void)co_await self->mount_at_master(m);
+    self->locations_.clear();
+  }
+
+  engine& eng_;
+  client_options opt_;
+  strand_type strand_;
+  asio::steady_timer tick_;
+  instance_id self_;
+  control::peer_guard guard_;
+  std::string host_;
+
+  std::shared_ptr<asio::ip::tcp::socket> socket_;
+  bool connected_ = false;
+  bool connecting_ = false;
+  bool ticking_ = false;
+  bool writing_ = false;
+  bool closed_ = false;
+  bool logged_unreachable_ = false;
+  std::vector<kvlink::detail::erased_handler<void(std::error_code)>> connect_waiters_;
+  std::deque<std::string> out_;
+  std::unordered_map<std::uint64_t, pending_call> pending_;
+  std::uint64_t next_id_ = 0;
+  std::uint64_t client_id_ = 0;
+  instance_id master_{};
+  std::chrono::milliseconds heartbeat_{1000};
+
+  std::vector<mount_rec> mounts_;
+  std::unordered_map<std::uint64_t, location> locations_;
+};
+
+}  // namespace detail
+
+/// A store client over `engine` (see the top of this file).
+class client {
+  using state = detail::client_state;
+
+ public:
+  using executor_type = asio::any_io_executor;
+
+  explicit client(engine& eng, client_options opt = {})
+      : state_(std::make_shared<state>(eng, std::move(opt))) {}
+  /// Drops the connection to the master without waiting and without
+  /// touching the engine: call async_close() first to leave the pool
+  /// cleanly (otherwise the master drops this client's segments after its
+  /// liveness timeout, and they stay registered with the engine).
+  ~client() {
+    if (state_) asio::post(state_->strand(), [s = state_] { s->abandon(); });
+  }
+  client(const client&) = delete;
+  client& operator=(const client&) = delete;
+
+  executor_type get_executor() const { return state_->executor(); }
+  /// This client's id at the master (0 before the first connection).
+  std::uint64_t id() const noexcept { return state_->client_id(); }
+
+  /// Connects to the master now (operations otherwise connect at their
+  /// first use). Signature: void(std::error_code). Errors: rpc_failed (not
+  /// reachable, or not a store master), authentication_failed,
+  /// protocol_version_mismatch, invalid_argument (a bad address).
+  template <class Token = asio::default_completion_token_t<executor_type>>
+  auto async_connect(Token&& token = Token{}) {
+    return run<void(std::error_code)>(std::forward<Token>(token),
+                                      [](state& s) { return s.connect_op(); });
+  }
+
+  /// Gives [base, base + size) to the pool: registers it with the engine
+  /// (remote read and write) and mounts it at the master. Signature:
+  /// void(std::error_code, std::uint64_t segment), the store's id of it
+  /// (for put_config::preferred). The memory must stay valid until
+  /// async_close() completes.
+  template <class Token = asio::default_completion_token_t<executor_type>>
+  auto async_mount(void* base, std::uint64_t size, Token&& token = Token{}) {
+    return run<void(std::error_code, std::uint64_t)>(
+        std::forward<Token>(token), [base, size](state& s) { return s.mount(base, size); });
+  }
+
+  /// Puts one object: `size` bytes at `data` (registered memory) under
+  /// `key`. `parent`: the key this object extends (a KV-cache prefix), so
+  /// eviction takes chain tails first; "" none. Signature:
+  /// void(std::error_code).
+  template <class Token = asio::default_completion_token_t<executor_type>>
+  auto async_put(std::string_view key, const void* data, std::uint64_t size, put_config cfg = {},
+                 std::string_view parent = {}, Token&& token = Token{}) {
+    state::put_batch_args a{{std::string(key)},    {data},         {size},
+                            {std::string(parent)}, std::move(cfg), {}};
+    return run<void(std::error_code)>(
+        std::forward<Token>(token),
+        [a = std::move(a)](state& s) mutable { return s.put_one(std::move(a)); });
+  }
+
+  /// Puts many objects: keys[i] from data[i], sizes[i] bytes (columns of one
+  /// length; `parents` empty or of that length too). results[i] gets key i's
+  /// outcome; `results` must stay valid until the handler runs. Signature:
+  /// void(std::error_code) for the batch as a whole.
+  template <class Token = asio::default_completion_token_t<executor_type>>
+  auto async_put_batch(std::span<const std::string_view> keys, std::span<const void* const> data,
+                       std::span<const std::uint64_t> sizes, std::span<std::error_code> results,
+                       put_config cfg = {}, std::span<const std::string_view> parents = {},
+                       Token&& token = Token{}) {
+    const bool ok = data.size() == keys.size() && sizes.size() == keys.size() &&
+                    results.size() == keys.size() &&
+                    (parents.empty() || parents.size() == keys.size());
+    state::put_batch_args a;
+    if (ok) {
+      a.keys.assign(keys.begin(), keys.end());
+      a.data.assign(data.begin(), data.end());
+      a.sizes.assign(sizes.begin(), sizes.end());
+      a.parents.assign(parents.begin(), parents.end());
+      a.cfg = std::move(cfg);
+      a.results = results;
+    }
+    return run<void(std::error_code)>(
+        std::forward<Token>(token),
+        [a = std::move(a), ok](state& s) mutable { return s.put_op(std::move(a), ok); });
+  }
+
+  /// Gets one object into [buffer, buffer + capacity) (registered memory).
+  /// Signature: void(std::error_code, std::uint64_t size). Errors:
+  /// object_not_found, object_in_progress, buffer_overflow (capacity below
+  /// its size), lease_expired, the engine's transfer errors, rpc_*.
+  template <class Token = asio::default_completion_token_t<executor_type>>
+  auto async_get(std::string_view key, void* buffer, std::uint64_t capacity,
+                 Token&& token = Token{}) {
+    state::get_batch_args a{{std::string(key)}, {buffer}, {capacity}, {}, {}};
+    return run<void(std::error_code, std::uint64_t)>(
+        std::forward<Token>(token),
+        [a = std::move(a)](state& s) mutable { return s.get_one(std::move(a)); });
+  }
+
+  /// Gets many objects: keys[i] into buffers[i] of capacities[i] bytes;
+  /// sizes[i] and results[i] are key i's outcome (both spans must stay
+  /// valid until the handler runs). Signature: void(std::error_code) for
+  /// the batch as a whole.
+  template <class Token = asio::default_completion_token_t<executor_type>>
+  auto async_get_batch(std::span<const std::string_view> keys, std::span<void* const> buffers,
+                       std::span<const std::uint64_t> capacities, std::span<std::uint64_t> sizes,
+                       std::span<std::error_code> results, Token&& token = Token{}) {
+    const bool ok = buffers.size() == keys.size() && capacities.size() == keys.size() &&
+                    sizes.size() == keys.size() && results.size() == keys.size();
+    state::get_batch_args a;
+    if (ok) {
+      a.keys.assign(keys.begin(), keys.end());
+      a.buffers.assign(buffers.begin(), buffers.end());
+      a.capacities.assign(capacities.begin(), capacities.end());
+      a.sizes = sizes;
+      a.results = results;
+    }
+    return run<void(std::error_code)>(
+        std::forward<Token>(token),
+        [a = std::move(a), ok](state& s) mutable { return s.get_op(std::move(a), ok); });
+  }
+
+  /// Whether `key` exists (its put ended). Signature: void(std::error_code,
+  /// bool); an in-progress put is not there yet (false).
+  template <class Token = asio::default_completion_token_t<executor_type>>
+  auto async_exists(std::string_view key, Token&& token = Token{}) {
+    return run<void(std::error_code, bool)>(
+        std::forward<Token>(token),
+        [k = std::string(key)](state& s) mutable { return s.exists_one(std::move(k)); });
+  }
+
+  /// results[i]: {} when keys[i] exists, object_not_found (or
+  /// object_in_progress) when not. Signature: void(std::error_code).
+  template <class Token = asio::default_completion_token_t<executor_type>>
+  auto async_exists_batch(std::span<const std::string_view> keys,
+                          std::span<std::error_code> results, Token&& token = Token{}) {
+    return keys_batch(wire::message_type::exists, keys, false, results, std::forward<Token>(token));
+  }
+
+  /// Removes `key` (force: even while it is read or hard-pinned).
+  /// Signature: void(std::error_code): object_not_found, object_has_lease,
+  /// object_hard_pinned, ...
+  template <class Token = asio::default_completion_token_t<executor_type>>
+  auto async_remove(std::string_view key, bool force = false, Token&& token = Token{}) {
+    return run<void(std::error_code)>(std::forward<Token>(token),
+                                      [k = std::string(key), force](state& s) mutable {
+                                        return s.remove_one(std::move(k), force);
+                                      });
+  }
+
+  /// results[i]: key i's outcome. Signature: void(std::error_code).
+  template <class Token = asio::default_completion_token_t<executor_type>>
+  auto async_remove_batch(std::span<const std::string_view> keys, bool force,
+                          std::span<std::error_code> results, Token&& token = Token{}) {
+    return keys_batch(wire::message_type::remove, keys, force, results, std::forward<Token>(token));
+  }
+
+  /// Removes every object (force: leased and hard-pinned ones too).
+  /// Signature: void(std::error_code, std::uint64_t removed).
+  template <class Token = asio::default_completion_token_t<executor_type>>
+  auto async_remove_all(bool force = false, Token&& token = Token{}) {
+    return run<void(std::error_code, std::uint64_t)>(
+        std::forward<Token>(token), [force](state& s) { return s.remove_all(force); });
+  }
+
+  /// The pool's totals. Signature: void(std::error_code, wire::stats_reply).
+  template <class Token = asio::default_completion_token_t<executor_type>>
+  auto async_stats(Token&& token = Token{}) {
+    return run<void(std::error_code, wire::stats_reply)>(std::forward<Token>(token),
+                                                         [](state& s) { return s.stats(); });
+  }
+
+  /// Unmounts this client's segments (their objects leave the pool),
+  /// unregisters them from the engine and closes the connection; pending
+  /// operations fail with cancelled. Signature: void(std::error_code).
+  template <class Token = asio::default_completion_token_t<executor_type>>
+  auto async_close(Token&& token = Token{}) {
+    return run<void(std::error_code)>(std::forward<Token>(token),
+                                      [](state& s) { return s.close_op(); });
+  }
+
+ private:
+  // Runs the coroutine make(state) on the client's strand and completes the
+  // handler with its tuple (internal_error if it threw). The completion
+  // handler holds the state alive until then.
+  template <class Signature, class Token, class Make>
+  auto run(Token&& token, Make make) {
+    return asio::async_initiate<Token, Signature>(
+        [st = state_](auto handler, Make mk) {
+          kvlink::detail::erased_handler<Signature> h(std::move(handler), st->executor());
+          auto aw = mk(*st);
+          asio::co_spawn(st->strand(), std::move(aw),
+                         [st, h = std::move(h)](std::exception_ptr e, auto out) mutable {
+                           if (e) {
+                             out = decltype(out){};
+                             std::get<0>(out) = make_error_code(store_errc::internal_error);
+                           }
+                           std::apply([&h](auto&&... v) { h.complete(std::move(v)...); },
+                                      std::move(out));
+                         });
+        },
+        token, std::move(make));
+  }
+
+  template <class Token>
+  auto keys_batch(wire::message_type type, std::span<const std::string_view> keys, bool force,
+                  std::span<std::error_code> results, Token&& token) {
+    const bool ok = results.size() == keys.size();
+    std::vector<std::string> copy;
+    if (ok) copy.assign(keys.begin(), keys.end());
+    return run<void(std::error_code)>(
+        std::forward<Token>(token),
+        [type, copy = std::move(copy), force, results, ok](state& s) mutable {
+          return s.keys_batch(type, std::move(copy), force, results, ok);
+        });
+  }
+
+  std::shared_ptr<state> state_;
+};
+
+}  // namespace kvlink::store

@@ -1,0 +1,175 @@
+// The store as its users run it: a kvlink-master process and store clients
+// each in its own process (kvlink_store_peer, test/support/store_peer.cpp),
+// on loopback. Bytes are checked where they arrive; errors are checked by
+// their codes.
+#include "../support/peer_process.hpp"
+
+#include <doctest/doctest.h>
+
+#include <kvlink/store/error.hpp>
+
+#include <chrono>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include <asio/io_context.hpp>
+#include <asio/ip/tcp.hpp>
+
+#ifndef KVLINK_MASTER_PATH
+#error "KVLINK_MASTER_PATH and KVLINK_STORE_PEER_PATH are set by test/store/CMakeLists.txt"
+#endif
+
+namespace {
+
+using kvlink_test::peer_process;
+using namespace std::chrono_literals;
+
+// "<category>:<value>" as kvlink_store_peer prints it.
+std::string code(kvlink::store_errc e) {
+  return "kvlink.store:" + std::to_string(static_cast<int>(e));
+}
+
+// A port free now (bound and released), for a master that must come back
+// on the same address.
+std::uint16_t free_port() {
+  asio::io_context io;
+  asio::ip::tcp::acceptor a(io, {asio::ip::make_address("127.0.0.1"), 0});
+  return a.local_endpoint().port();
+}
+
+// A master with short liveness timeouts, so the tests see clients declared
+// gone within seconds.
+struct master {
+  explicit master(std::uint16_t port = 0, std::string secret = {})
+      : proc(KVLINK_MASTER_PATH, args(port, secret), "kvlink-master: listening on ") {
+    address = proc.address().substr(0, proc.address().find(' '));
+  }
+  static std::vector<std::string> args(std::uint16_t port, const std::string& secret) {
+    std::vector<std::string> a{"--listen",
+                               "127.0.0.1:" + std::to_string(port),
+                               "--config",
+                               R"({"store_heartbeat_interval": "100ms", "store_suspect_after": "400ms",
+                                   "store_liveness_timeout": "1500ms"})"};
+    if (!secret.empty()) {
+      a.push_back("--auth-secret");
+      a.push_back(secret);
+    }
+    return a;
+  }
+  peer_process proc;
+  std::string address;
+};
+
+peer_process client(const std::string& master, std::uint64_t mount = 64u << 20,
+                    std::string secret = {}) {
+  std::vector<std::string> a{"--master", master, "--mount", std::to_string(mount)};
+  if (!secret.empty()) {
+    a.push_back("--secret");
+    a.push_back(secret);
+  }
+  return peer_process(KVLINK_STORE_PEER_PATH, a, "READY ");
+}
+
+// Repeats `line` until its answer starts with `want` or `limit` passes;
+// returns the last answer.
+std::string until(peer_process& p, const std::string& line, const std::string& want,
+                  std::chrono::seconds limit = 15s) {
+  const auto end = std::chrono::steady_clock::now() + limit;
+  std::string last;
+  do {
+    last = p.command(line);
+    if (last.rfind(want, 0) == 0) return last;
+    std::this_thread::sleep_for(100ms);
+  } while (std::chrono::steady_clock::now() < end);
+  return last;
+}
+
+}  // namespace
+
+TEST_CASE("store: put, get, exists, remove across processes; first writer wins") {
+  master m;
+  auto a = client(m.address);     // serves a segment
+  auto b = client(m.address, 0);  // a pure requester
+  CHECK(a.command("PUT k1 100000 7") == "OK");
+  CHECK(b.command("GET k1 7") == "OK 100000");
+  CHECK(a.command("GET k1 7") == "OK 100000");  // from its own segment
+  CHECK(b.command("GET k1 8").rfind("BAD", 0) == 0);  // the check can fail
+  CHECK(b.command("EXISTS k1") == "YES");
+  CHECK(b.command("EXISTS k2") == "NO");
+  CHECK(b.command("PUT k1 10 9").rfind("ERR " + code(kvlink::store_errc::object_already_exists), 0) == 0);
+  CHECK(b.command("GET k1 7") == "OK 100000");  // unchanged
+  CHECK(b.command("PUT k2 4096 3") == "OK");    // from a requester into a's segment
+  CHECK(a.command("GET k2 3") == "OK 4096");
+  CHECK(b.command("REMOVE k1") == "OK");
+  CHECK(b.command("EXISTS k1") == "NO");
+  CHECK(b.command("GET k1 7").rfind("ERR " + code(kvlink::store_errc::object_not_found), 0) == 0);
+  CHECK(b.command("REMOVE k1").rfind("ERR " + code(kvlink::store_errc::object_not_found), 0) == 0);
+  // Bad input: a key longer than the master's bound, a size of zero.
+  CHECK(b.command("PUT " + std::string(5000, 'x') + " 10 1")
+            .rfind("ERR " + code(kvlink::store_errc::invalid_key), 0) == 0);
+  CHECK(b.command("PUT zero 0 1").rfind("ERR " + code(kvlink::store_errc::invalid_params), 0) ==
+        0);
+  CHECK(a.finish() == 0);
+  CHECK(b.finish() == 0);
+}
+
+TEST_CASE("store: batches of 4 KiB objects, every byte checked, results in order") {
+  master m;
+  auto a = client(m.address);
+  auto b = client(m.address);
+  CHECK(a.command("PUTB 500 blk 4096 100") == "OK");
+  CHECK(b.command("GETB 500 blk 100") == "OK");
+  CHECK(a.command("GETB 500 blk 100") == "OK");
+  // Existing keys fail one by one, in order; the batch as a whole answers.
+  CHECK(b.command("PUTB 3 blk 64 1").rfind("ERR 0 " + code(kvlink::store_errc::object_already_exists), 0) == 0);
+  CHECK(b.command("GETB 501 blk 100").rfind("ERR 500 " + code(kvlink::store_errc::object_not_found), 0) == 0);
+  CHECK(a.finish() == 0);
+  CHECK(b.finish() == 0);
+}
+
+TEST_CASE("store: a replica's owner SIGKILLed: the other replica serves; its own objects go") {
+  master m;
+  auto a = client(m.address);
+  auto req = client(m.address, 0);
+  CHECK(req.command("PUT only-a 65536 11") == "OK");  // a is the only segment
+  auto c = client(m.address);
+  CHECK(req.command("PUT both 65536 12 2") == "OK");  // on a and c
+  CHECK(req.command("GET both 12") == "OK 65536");
+  a.kill_now();
+  // Reads of "both" go to c (at once, or after a's replica fails).
+  CHECK(req.command("GET both 12") == "OK 65536");
+  // Within the liveness timeout a's objects leave the lookups.
+  CHECK(until(req, "EXISTS only-a", "NO") == "NO");
+  CHECK(req.command("GET only-a 11").rfind("ERR " + code(kvlink::store_errc::object_not_found), 0) == 0);
+  CHECK(req.command("GET both 12") == "OK 65536");
+  CHECK(c.finish() == 0);
+  CHECK(req.finish() == 0);
+}
+
+TEST_CASE("store: the master restarted: clients reconnect and mount again") {
+  const auto port = free_port();
+  auto m = std::make_unique<master>(port);
+  auto a = client(m->address);
+  auto b = client(m->address, 0);
+  CHECK(b.command("PUT before 4096 1") == "OK");
+  m.reset();  // SIGKILL: its metadata is gone (durability is the SSD tier's issue)
+  CHECK(b.command("PUT during 4096 2").rfind("ERR " + code(kvlink::store_errc::rpc_failed), 0) == 0);
+  m = std::make_unique<master>(port);
+  // a mounts its segment again by itself; then b's puts find space.
+  CHECK(until(b, "PUT after 4096 3", "OK") == "OK");
+  CHECK(a.command("GET after 3") == "OK 4096");
+  CHECK(b.command("EXISTS before") == "NO");
+  CHECK(a.finish() == 0);
+  CHECK(b.finish() == 0);
+}
+
+TEST_CASE("store: the master's secret: a client without it, or with another, is refused") {
+  master m(0, "s3cret");
+  auto good = client(m.address, 1u << 20, "s3cret");
+  CHECK(good.command("PUT k 100 1") == "OK");
+  CHECK_THROWS(client(m.address, 0, "wrong"));  // its first line is ERR, not READY
+  CHECK_THROWS(client(m.address, 0));
+  CHECK(good.command("GET k 1") == "OK 100");
+  CHECK(good.finish() == 0);
+}

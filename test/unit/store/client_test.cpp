@@ -1,0 +1,244 @@
+// kvlink::store::client against an in-process master (master_server) and
+// engines on loopback: bytes checked where they arrive, errors by code,
+// and 8 clients x 8 threads at once (run under ThreadSanitizer in CI). The
+// same client against a kvlink-master process: test/store/store_test.cpp.
+#include "../../support/test_support.hpp"
+
+#include <doctest/doctest.h>
+
+#include <kvlink/engine.hpp>
+#include <kvlink/store/client/client.hpp>
+#include <kvlink/store/master/server.hpp>
+
+#include <atomic>
+#include <cstddef>
+#include <future>
+#include <memory>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include <asio/io_context.hpp>
+#include <asio/use_future.hpp>
+
+namespace {
+
+using kvlink_test::fill_pattern;
+using kvlink_test::is_pattern;
+namespace store = kvlink::store;
+
+// An io_context run by `threads` threads, a master on it.
+struct rig {
+  explicit rig(std::size_t threads = 2, store::master_config cfg = {}) {
+    store::server_options opt;
+    opt.listen = "127.0.0.1:0";
+    master.emplace(io.get_executor(), cfg, opt);
+    master->listen();
+    for (std::size_t i = 0; i < threads; ++i) runners.emplace_back([this] { io.run(); });
+  }
+  ~rig() {
+    master->async_close(asio::use_future).get();
+    work.reset();
+    for (auto& t : runners) t.join();
+  }
+  asio::io_context io;
+  asio::executor_work_guard<asio::io_context::executor_type> work{io.get_executor()};
+  std::optional<store::master_server> master;
+  std::vector<std::thread> runners;
+};
+
+// An engine, a client, a registered work buffer and (mount > 0) a segment
+// in the pool.
+struct member {
+  member(rig& r, std::uint64_t mount, std::uint64_t buffer = 1u << 20)
+      : eng(r.io.get_executor(), kvlink::config{.listen = "127.0.0.1:0", .transports = "tcp"}),
+        work(buffer),
+        pool(mount),
+        client(eng, {.master = r.master->local_address()}) {
+    eng.register_segment(work.data(), work.size());
+    if (mount != 0) segment = client.async_mount(pool.data(), pool.size(), asio::use_future).get();
+  }
+  ~member() { client.async_close(asio::use_future).get(); }
+
+  std::error_code put(const std::string& key, std::size_t off, std::uint64_t size,
+                      std::uint64_t seed, store::put_config cfg = {}) {
+    fill_pattern(work.data() + off, size, seed, 0);
+    try {
+      client.async_put(key, work.data() + off, size, cfg, {}, asio::use_future).get();
+      return {};
+    } catch (const std::system_error& e) {
+      return e.code();
+    }
+  }
+  // The object's size, or the error.
+  std::error_code get(const std::string& key, std::size_t off, std::uint64_t cap,
+                      std::uint64_t& size) {
+    try {
+      size = client.async_get(key, work.data() + off, cap, asio::use_future).get();
+      return {};
+    } catch (const std::system_error& e) {
+      return e.code();
+    }
+  }
+
+  kvlink::engine eng;
+  std::vector<std::byte> work;
+  std::vector<std::byte> pool;
+  store::client client;
+  std::uint64_t segment = 0;
+};
+
+}  // namespace
+
+TEST_CASE("store client: put, get, exists, remove between clients; bytes checked") {
+  rig r;
+  member a(r, 8u << 20);
+  member b(r, 0);  // a pure requester
+  REQUIRE(a.put("k1", 0, 100'000, 1) == std::error_code{});
+  std::uint64_t size = 0;
+  REQUIRE(b.get("k1", 0, b.work.size(), size) == std::error_code{});
+  CHECK(size == 100'000);
+  CHECK(is_pattern(b.work.data(), size, 1, 0));
+  CHECK(b.client.async_exists("k1", asio::use_future).get());
+  CHECK_FALSE(b.client.async_exists("nope", asio::use_future).get());
+  // First writer wins; the object keeps its bytes.
+  CHECK(b.put("k1", 0, 10, 2) == kvlink::store_errc::object_already_exists);
+  REQUIRE(a.get("k1", 4096, 200'000, size) == std::error_code{});
+  CHECK(is_pattern(a.work.data() + 4096, 100'000, 1, 0));
+  // A buffer too small for the object.
+  CHECK(b.get("k1", 0, 99'999, size) == kvlink::store_errc::buffer_overflow);
+  // From a requester into a's segment.
+  REQUIRE(b.put("k2", 0, 4096, 3) == std::error_code{});
+  REQUIRE(a.get("k2", 0, 4096, size) == std::error_code{});
+  CHECK(is_pattern(a.work.data(), 4096, 3, 0));
+  CHECK_NOTHROW(b.client.async_remove("k1", false, asio::use_future).get());
+  CHECK_FALSE(b.client.async_exists("k1", asio::use_future).get());
+  CHECK(b.get("k1", 0, b.work.size(), size) == kvlink::store_errc::object_not_found);
+}
+
+TEST_CASE("store client: bad input gets its error and leaves nothing behind") {
+  rig r;
+  member a(r, 1u << 20, 4u << 20);
+  std::uint64_t size = 0;
+  CHECK(a.put("", 0, 10, 1) == kvlink::store_errc::invalid_key);
+  CHECK(a.put(std::string(5000, 'k'), 0, 10, 1) == kvlink::store_errc::invalid_key);
+  CHECK(a.put("zero", 0, 0, 1) == kvlink::store_errc::invalid_params);
+  CHECK(a.put("huge", 0, 2u << 20, 1) != std::error_code{});  // beyond any segment
+  // Data outside registered memory: the transfer refuses it and the put is
+  // revoked (the key is free again).
+  std::vector<std::byte> loose(4096);
+  const auto ec = [&]() -> std::error_code {
+    try {
+      a.client.async_put("loose", loose.data(), loose.size(), {}, {}, asio::use_future).get();
+      return {};
+    } catch (const std::system_error& e) {
+      return e.code();
+    }
+  }();
+  CHECK(ec != std::error_code{});
+  CHECK_FALSE(a.client.async_exists("loose", asio::use_future).get());
+  CHECK(a.put("loose", 0, 4096, 5) == std::error_code{});
+  // The pool full: no_space at once, as Mooncake's -200.
+  CHECK(a.put("big1", 0, 700u << 10, 6) == std::error_code{});
+  CHECK(a.put("big2", 0, 700u << 10, 7) == kvlink::store_errc::no_space);
+  CHECK(kvlink::mooncake_code(kvlink::store_errc::no_space) == -200);
+  REQUIRE(a.get("big1", 0, a.work.size(), size) == std::error_code{});
+  CHECK(is_pattern(a.work.data(), size, 6, 0));
+}
+
+TEST_CASE("store client: replicas on distinct segments; batches with results in order") {
+  rig r;
+  member a(r, 4u << 20);
+  member b(r, 4u << 20);
+  member c(r, 0, 4u << 20);
+  store::put_config two;
+  two.replicas = 2;
+  REQUIRE(c.put("r2", 0, 1u << 20, 9, two) == std::error_code{});
+  // Both segments hold it: each has 1 MiB used.
+  const auto st = c.client.async_stats(asio::use_future).get();
+  CHECK(st.used >= 2u << 20);
+  CHECK(st.segments == 2);
+
+  constexpr std::size_t n = 64;
+  std::vector<std::string> names(n);
+  std::vector<std::string_view> keys(n);
+  std::vector<const void*> data(n);
+  std::vector<void*> bufs(n);
+  std::vector<std::uint64_t> sizes(n), caps(n, 4096), got(n);
+  std::vector<std::error_code> results(n);
+  for (std::size_t i = 0; i < n; ++i) {
+    names[i] = "b" + std::to_string(i);
+    keys[i] = names[i];
+    sizes[i] = 1 + i * 61;
+    fill_pattern(c.work.data() + i * 4096, sizes[i], 100 + i, 0);
+    data[i] = c.work.data() + i * 4096;
+    bufs[i] = a.work.data() + i * 4096;
+  }
+  names[7] = "r2";  // exists already: fails alone
+  keys[7] = names[7];
+  c.client.async_put_batch(keys, data, sizes, results, {}, {}, asio::use_future).get();
+  for (std::size_t i = 0; i < n; ++i) {
+    CAPTURE(i);
+    CHECK(results[i] == (i == 7 ? std::error_code{kvlink::store_errc::object_already_exists}
+                                : std::error_code{}));
+  }
+  a.client.async_get_batch(keys, bufs, caps, got, results, asio::use_future).get();
+  for (std::size_t i = 0; i < n; ++i) {
+    CAPTURE(i);
+    if (i == 7) {
+      CHECK(results[i] == kvlink::store_errc::buffer_overflow);  // r2 is 1 MiB
+      continue;
+    }
+    REQUIRE(results[i] == std::error_code{});
+    CHECK(got[i] == sizes[i]);
+    CHECK(is_pattern(a.work.data() + i * 4096, sizes[i], 100 + i, 0));
+  }
+  // Columns of different lengths: the batch fails as a whole.
+  std::vector<std::error_code> short_results(1);
+  CHECK_THROWS_AS(
+      c.client.async_exists_batch(keys, short_results, asio::use_future).get(), std::system_error);
+  c.client.async_remove_batch(keys, false, results, asio::use_future).get();
+  for (std::size_t i = 0; i < n; ++i) CHECK(results[i] == std::error_code{});
+  c.client.async_exists_batch(keys, results, asio::use_future).get();
+  for (std::size_t i = 0; i < n; ++i) CHECK(results[i] == kvlink::store_errc::object_not_found);
+}
+
+TEST_CASE("store client: 8 clients x 8 threads at once") {
+  rig r(4);
+  constexpr std::size_t clients = 8, threads = 8, ops = 12, size = 2048;
+  std::vector<std::unique_ptr<member>> m;
+  for (std::size_t c = 0; c < clients; ++c) {
+    // Puts from the first half of its buffer, gets into the second.
+    m.push_back(std::make_unique<member>(r, 1u << 20, 2 * threads * ops * size));
+  }
+  std::atomic<int> failures{0};
+  std::vector<std::thread> users;
+  for (std::size_t c = 0; c < clients; ++c) {
+    for (std::size_t t = 0; t < threads; ++t) {
+      users.emplace_back([&, c, t] {
+        auto& me = *m[c];
+        auto& other = *m[(c + 1) % clients];
+        for (std::size_t i = 0; i < ops; ++i) {
+          const std::string key = std::to_string(c) + "/" + std::to_string(t) + "/" + std::to_string(i);
+          const std::size_t off = (t * ops + i) * size;
+          const std::uint64_t seed = c * 10'000 + t * 100 + i;
+          if (me.put(key, off, size, seed)) {
+            ++failures;
+            continue;
+          }
+          std::uint64_t got = 0;
+          // Another client reads it back into its own slot.
+          const std::size_t into = threads * ops * size + off;
+          if (other.get(key, into, size, got) || got != size ||
+              !is_pattern(other.work.data() + into, size, seed, 0)) {
+            ++failures;
+          }
+        }
+      });
+    }
+  }
+  for (auto& u : users) u.join();
+  CHECK(failures.load() == 0);
+  const auto st = m[0]->client.async_stats(asio::use_future).get();
+  CHECK(st.objects == clients * threads * ops);
+}
