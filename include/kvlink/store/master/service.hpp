@@ -148,7 +148,7 @@ inline constexpr std::array server_settings{
     setting_row<server_options>{"store_handshake_timeout", "KVLINK_STORE_HANDSHAKE_TIMEOUT",
                                 setting_kind::duration, &server_options::handshake_timeout,
                                 "a connection must finish its handshake within this"},
-    setting_row<server_options>{"store_max_body", "KVLINK_STORE_MAX_BODY", setting_kind::count,
+    setting_row<server_options>{"store_max_body", "KVLINK_STORE_MAX_BODY", setting_kind::size,
                                 &server_options::max_body,
                                 "largest request body accepted, in bytes (also the reply "
                                 "backlog of one connection)"},
