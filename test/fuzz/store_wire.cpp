@@ -12,6 +12,7 @@
 //    that decodes; an ok reply's body decodes exactly as its type says, with
 //    one result per key of the request; the pool's books stay consistent.
 #include <kvlink/core/instance.hpp>
+#include <kvlink/store/master/server.hpp>
 #include <kvlink/store/master/service.hpp>
 #include <kvlink/store/wire/protocol.hpp>
 
@@ -165,8 +166,8 @@ void dispatch(const std::uint8_t* data, std::size_t size) {
   auto a = svc.attach_client(kvlink::instance_id{1, 1}, "10.0.0.1:1", now());
   auto b = svc.attach_client(kvlink::instance_id{2, 2}, "", now());
   kvlink::segment_id seg;
-  KVLINK_FUZZ_CHECK(!svc.objects().mount_segment({a.session.client->id, "s", 1 << 16, "10.0.0.1"},
-                                                 seg));
+  KVLINK_FUZZ_CHECK(
+      !svc.objects().mount_segment({a.session.client->id, "s", 1 << 16, "10.0.0.1"}, seg));
   std::uint64_t id = 0;
   std::size_t i = 0;
   while (i + 5 <= size) {
@@ -194,8 +195,8 @@ void dispatch(const std::uint8_t* data, std::size_t size) {
     KVLINK_FUZZ_CHECK(p.used <= p.capacity);
     KVLINK_FUZZ_CHECK(p.in_progress <= p.objects);
   }
-  (void)svc.metrics_text();
-  (void)svc.segments_json().dump();
+  (void)kvlink::store::route_http(svc, "GET", "/metrics");
+  (void)kvlink::store::route_http(svc, "GET", "/segments");
   svc.detach_client(a.session);
   svc.detach_client(b.session);
 }

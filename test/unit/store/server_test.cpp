@@ -610,6 +610,8 @@ TEST_CASE("master server: HTTP /health, /metrics, /segments, 404") {
   const auto seg = mount(a, "seg0", 1 << 16, 3);
   REQUIRE(put_start(a, {"k"}, {128}).entries[0].code == 0);
   const auto http = m.server->http_address();
+  // A name that is not UTF-8 (from a client) is shown replaced, not thrown on.
+  mount(a, "bad\xff", 1 << 16);
   REQUIRE(!http.empty());
 
   const auto health = http_get(m.io, http, "/health");
@@ -619,8 +621,8 @@ TEST_CASE("master server: HTTP /health, /metrics, /segments, 404") {
   const auto metrics = http_get(m.io, http, "/metrics");
   CHECK(metrics.first == "HTTP/1.1 200 OK");
   for (const char* line :
-       {"kvlink_store_clients 1\n", "kvlink_store_segments 1\n", "kvlink_store_objects 1\n",
-        "kvlink_store_puts_in_progress 1\n", "kvlink_store_capacity_bytes 65536\n",
+       {"kvlink_store_clients 1\n", "kvlink_store_segments 2\n", "kvlink_store_objects 1\n",
+        "kvlink_store_puts_in_progress 1\n", "kvlink_store_capacity_bytes 131072\n",
         "kvlink_store_requests_total{type=\"put_start\"} 1\n",
         "kvlink_store_keys_total{type=\"put_start\"} 1\n",
         "kvlink_store_errors_total{code=\"object_not_found\"} 0\n",
@@ -633,7 +635,7 @@ TEST_CASE("master server: HTTP /health, /metrics, /segments, 404") {
   CHECK(segments.first == "HTTP/1.1 200 OK");
   const auto j = nlohmann::json::parse(segments.second);
   REQUIRE(j.is_array());
-  REQUIRE(j.size() == 1);
+  REQUIRE(j.size() == 2);
   CHECK(j[0].at("id") == seg);
   CHECK(j[0].at("engine_segment") == 3);
   CHECK(j[0].at("address") == "127.0.0.1:17001");

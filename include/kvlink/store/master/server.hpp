@@ -102,7 +102,10 @@ inline http_answer route_http(const master_service& svc, std::string_view method
   if (method != "GET") return {405, "text/plain; charset=utf-8", "method not allowed\n"};
   if (target == "/health") return {200, "text/plain; charset=utf-8", "ok\n"};
   if (target == "/metrics") return {200, "text/plain; version=0.0.4", svc.metrics_text()};
-  return {200, "application/json", svc.segments_json().dump() + "\n"};
+  // Names come from clients: bytes that are not UTF-8 are replaced, never thrown on.
+  return {
+      200, "application/json",
+      svc.segments_json().dump(-1, ' ', false, nlohmann::json::error_handler_t::replace) + "\n"};
 }
 
 /// The bytes of an HTTP/1.1 response that closes the connection.
