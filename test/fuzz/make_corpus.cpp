@@ -16,6 +16,7 @@
 #include <kvlink/core/error.hpp>
 #include <kvlink/core/instance.hpp>
 #include <kvlink/core/types.hpp>
+#include <kvlink/store/wire/protocol.hpp>
 #include <kvlink/tcp/frame.hpp>
 #include <kvlink/version.hpp>
 
@@ -24,6 +25,7 @@
 #include <cstdio>
 #include <filesystem>
 #include <fstream>
+#include <functional>
 #include <string>
 #include <string_view>
 #include <vector>
@@ -351,6 +353,76 @@ void control_stream() {
 
 }  // namespace
 
+// ------------------------------------------------------------------ store wire
+
+// store_wire.cpp reads a program of frames: [u8 who/clock][u16 type]
+// [u16 length][body]; its first pass also decodes the whole input.
+namespace wire = kvlink::store::wire;
+
+std::string store_step(std::uint8_t who, wire::message_type t,
+                       const std::function<void(wire::writer&)>& fill) {
+  wire::writer w(t, 0, false);
+  fill(w);
+  const std::string body = w.take().substr(wire::header_size);
+  std::string out;
+  const auto type = static_cast<std::uint16_t>(t);
+  out += static_cast<char>(who);
+  out += static_cast<char>(type & 0xff);
+  out += static_cast<char>(type >> 8);
+  out += static_cast<char>(body.size() & 0xff);
+  out += static_cast<char>((body.size() >> 8) & 0xff);
+  return out + body;
+}
+
+void store_wire() {
+  const auto keys = [](std::vector<std::string_view> k, bool force, bool with_force) {
+    return [k, force, with_force](wire::writer& w) {
+      wire::key_batch b;
+      b.keys = k;
+      b.force = force;
+      b.encode(w, with_force);
+    };
+  };
+  const auto puts = [](wire::writer& w) {
+    wire::put_start_request q;
+    q.replicas = 2;
+    q.flags = wire::put_start_request::flag_soft_pin;
+    q.keys = {"a", "b", "c"};
+    q.sizes = {100, 4096, 0};
+    q.parents = {"", "a", ""};
+    q.encode(w);
+  };
+  using mt = wire::message_type;
+  std::string p = store_step(0, mt::mount, [](wire::writer& w) {
+    wire::mount_request{"seg1", 1 << 16, 3}.encode(w);
+  });
+  p += store_step(0, mt::put_start, puts);
+  p += store_step(0, mt::put_end, keys({"a", "b", "zz"}, false, false));
+  p += store_step(1, mt::get, keys({"a", "b", "c"}, false, false));
+  p += store_step(1, mt::exists, keys({"a", "nope"}, false, false));
+  p += store_step(0x21, mt::remove, keys({"a", "b"}, true, true));
+  p += store_step(0, mt::stats, [](wire::writer&) {});
+  put("store_wire", "mount_put_get_remove", p);
+
+  std::string q = store_step(1, mt::put_start, puts);
+  q += store_step(0, mt::put_end, keys({"a"}, false, false));  // not the writer
+  q += store_step(1, mt::put_revoke, keys({"a", "b"}, false, false));
+  q += store_step(0, mt::segment_info, [](wire::writer& w) { w.u64(1); });
+  q += store_step(1, mt::unmount, [](wire::writer& w) { w.u64(1); });
+  q += store_step(0xF0, mt::heartbeat, [](wire::writer&) {});
+  q += store_step(0xE8, mt::remove_all, [](wire::writer& w) { w.u8(1); });
+  put("store_wire", "writers_owners_liveness", q);
+
+  std::string bad = store_step(0, mt::get, [](wire::writer& w) { w.u32(1000); });
+  bad += store_step(0, static_cast<mt>(99), [](wire::writer&) {});
+  bad += store_step(0, static_cast<mt>(0x8001), [](wire::writer&) {});
+  put("store_wire", "malformed_and_unknown", bad);
+
+  wire::writer frame(mt::exists, 7, false);
+  keys({"key1", "key2"}, false, false)(frame);
+  put("store_wire", "whole_frame", frame.take());
+}
+
 int main(int argc, char** argv) {
   if (argc != 2) {
     std::fprintf(stderr, "usage: %s CORPUS_ROOT (test/fuzz/corpus)\n", argv[0]);
@@ -362,6 +434,7 @@ int main(int argc, char** argv) {
   handshakes();
   descriptors();
   notifications();
+  store_wire();
   std::printf("%d seed files written under %s\n", written, root.c_str());
   return 0;
 }

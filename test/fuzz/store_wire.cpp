@@ -1,0 +1,210 @@
+// Fuzzes the store master's wire (include/kvlink/store/wire/protocol.hpp)
+// and its dispatch (master_service::handle_frame, store/master/service.hpp)
+// without sockets.
+//
+// 1. The whole input through decode_header and every message decoder: no
+//    crash, no read past the input; what decodes encodes back to the same
+//    bytes (the formats have one encoding).
+// 2. The input as a program of frames, [u8 who/clock][u16 type][u16 length]
+//    [body], each handled for one of two clients against one object table
+//    (one segment of client A mounted first): every reply is a well-formed
+//    frame with the request's id and type | reply_bit, opening with a status
+//    that decodes; an ok reply's body decodes exactly as its type says, with
+//    one result per key of the request; the pool's books stay consistent.
+#include <kvlink/core/instance.hpp>
+#include <kvlink/store/master/server.hpp>
+#include <kvlink/store/master/service.hpp>
+#include <kvlink/store/wire/protocol.hpp>
+
+#include <cstddef>
+#include <cstdint>
+#include <span>
+#include <string>
+#include <string_view>
+
+#include "fuzz_check.hpp"
+
+namespace {
+
+namespace st = kvlink::store;
+namespace wire = kvlink::store::wire;
+
+std::string body_bytes(wire::writer& w) { return w.take().substr(wire::header_size); }
+
+template <class Msg, class... Args>
+void round_trip(std::string_view in, Args... args) {
+  wire::reader r(in);
+  Msg m;
+  if (m.decode(r, args...)) return;
+  wire::writer w(wire::message_type::heartbeat, 0, false);
+  m.encode(w, args...);
+  KVLINK_FUZZ_CHECK(body_bytes(w) == in);
+}
+
+void decoders(std::string_view in) {
+  if (in.size() >= wire::header_size) {
+    wire::header_bytes hb{};
+    for (std::size_t i = 0; i < wire::header_size; ++i) {
+      hb[i] = static_cast<unsigned char>(in[i]);
+    }
+    wire::frame_header h;
+    if (!wire::decode_header(hb, wire::default_max_body, h)) {
+      KVLINK_FUZZ_CHECK(wire::encode_header(h) == hb);
+      KVLINK_FUZZ_CHECK(h.body_length <= wire::default_max_body);
+    }
+  }
+  round_trip<wire::key_batch>(in, false);
+  round_trip<wire::key_batch>(in, true);
+  round_trip<wire::code_list>(in);
+  round_trip<wire::put_start_request>(in);
+  round_trip<wire::placement_list>(in, false);
+  round_trip<wire::placement_list>(in, true);
+  round_trip<wire::mount_request>(in);
+  round_trip<wire::segment_location>(in);
+  round_trip<wire::stats_reply>(in);
+  wire::reader r(in);
+  std::string_view text;
+  (void)r.status(&text);
+}
+
+// How many keys a request carries, when its body decodes (else -1).
+long keys_of(wire::message_type t, std::span<const unsigned char> body) {
+  wire::reader r(body);
+  switch (t) {
+    case wire::message_type::put_start: {
+      wire::put_start_request q;
+      return q.decode(r) ? -1 : static_cast<long>(q.keys.size());
+    }
+    case wire::message_type::put_end:
+    case wire::message_type::put_revoke:
+    case wire::message_type::get:
+    case wire::message_type::exists:
+    case wire::message_type::remove: {
+      wire::key_batch b;
+      return b.decode(r, t == wire::message_type::remove) ? -1 : static_cast<long>(b.keys.size());
+    }
+    default:
+      return 0;
+  }
+}
+
+void check_reply(const std::string& reply, const wire::frame_header& req,
+                 std::span<const unsigned char> body, bool close) {
+  KVLINK_FUZZ_CHECK(reply.size() >= wire::header_size);
+  wire::header_bytes hb{};
+  for (std::size_t i = 0; i < wire::header_size; ++i) {
+    hb[i] = static_cast<unsigned char>(reply[i]);
+  }
+  wire::frame_header h;
+  KVLINK_FUZZ_CHECK(!wire::decode_header(hb, UINT32_MAX, h));
+  KVLINK_FUZZ_CHECK(h.id == req.id);
+  KVLINK_FUZZ_CHECK(h.type == (req.type | wire::reply_bit));
+  KVLINK_FUZZ_CHECK(h.body_length == reply.size() - wire::header_size);
+  wire::reader r(std::string_view(reply).substr(wire::header_size));
+  const std::error_code status = r.status();
+  KVLINK_FUZZ_CHECK(r.ok());
+  const bool known = !req.is_reply() && wire::known_type(req.type);
+  const long keys = known ? keys_of(req.kind(), body) : 0;
+  if (close) KVLINK_FUZZ_CHECK(status == kvlink::errc::malformed_message);
+  if (known && keys < 0) KVLINK_FUZZ_CHECK(close);
+  if (status) {
+    KVLINK_FUZZ_CHECK(!r.finish());  // nothing after an error's status
+    return;
+  }
+  KVLINK_FUZZ_CHECK(known && !close);
+  switch (req.kind()) {
+    case wire::message_type::heartbeat:
+      KVLINK_FUZZ_CHECK(r.u8() <= 1);
+      KVLINK_FUZZ_CHECK(!r.finish());
+      break;
+    case wire::message_type::mount:
+    case wire::message_type::remove_all:
+      (void)r.u64();
+      KVLINK_FUZZ_CHECK(!r.finish());
+      break;
+    case wire::message_type::unmount:
+      KVLINK_FUZZ_CHECK(!r.finish());
+      break;
+    case wire::message_type::segment_info: {
+      wire::segment_location l;
+      KVLINK_FUZZ_CHECK(!l.decode(r));
+      break;
+    }
+    case wire::message_type::put_start:
+    case wire::message_type::get: {
+      wire::placement_list p;
+      KVLINK_FUZZ_CHECK(!p.decode(r, req.kind() == wire::message_type::get));
+      KVLINK_FUZZ_CHECK(static_cast<long>(p.entries.size()) == keys);
+      for (const auto& e : p.entries) KVLINK_FUZZ_CHECK(e.code != 0 || e.count >= 1);
+      break;
+    }
+    case wire::message_type::stats: {
+      wire::stats_reply s;
+      KVLINK_FUZZ_CHECK(!s.decode(r));
+      KVLINK_FUZZ_CHECK(s.used <= s.capacity);
+      break;
+    }
+    default: {
+      wire::code_list c;
+      KVLINK_FUZZ_CHECK(!c.decode(r));
+      KVLINK_FUZZ_CHECK(static_cast<long>(c.codes.size()) == keys);
+      break;
+    }
+  }
+}
+
+void dispatch(const std::uint8_t* data, std::size_t size) {
+  st::master_config cfg;
+  cfg.alignment = 64;
+  cfg.max_key_size = 64;
+  st::server_options opt;
+  opt.suspect_after = std::chrono::milliseconds{100};
+  opt.liveness_timeout = std::chrono::milliseconds{1000};
+  st::master_service svc{cfg, opt};
+  std::int64_t clock = 0;
+  const auto now = [&clock] { return st::master_time{std::chrono::milliseconds{clock}}; };
+  auto a = svc.attach_client(kvlink::instance_id{1, 1}, "10.0.0.1:1", now());
+  auto b = svc.attach_client(kvlink::instance_id{2, 2}, "", now());
+  kvlink::segment_id seg;
+  KVLINK_FUZZ_CHECK(
+      !svc.objects().mount_segment({a.session.client->id, "s", 1 << 16, "10.0.0.1"}, seg));
+  std::uint64_t id = 0;
+  std::size_t i = 0;
+  while (i + 5 <= size) {
+    const std::uint8_t who = data[i];
+    const auto type = static_cast<std::uint16_t>(data[i + 1] | (data[i + 2] << 8));
+    std::size_t len = static_cast<std::size_t>(data[i + 3] | (data[i + 4] << 8));
+    i += 5;
+    len = std::min(len, size - i);
+    clock += (who >> 1) * 7;
+    wire::frame_header h;
+    h.type = type;
+    h.id = ++id;
+    h.body_length = static_cast<std::uint32_t>(len);
+    const std::span<const unsigned char> body(data + i, len);
+    i += len;
+    st::session_state& s = (who & 1) ? b.session : a.session;
+    if (!s.client) continue;
+    bool close = false;
+    const std::string reply = svc.handle_frame(s, h, body, now(), close);
+    check_reply(reply, h, body, close);
+    if ((who & 0xF0) == 0xF0) svc.check_liveness(now());
+    if ((who & 0xF8) == 0xE8) svc.reclaim(now());
+    if ((who & 0xF8) == 0xE0) svc.evict(now());
+    const st::pool_stats p = svc.objects().stats();
+    KVLINK_FUZZ_CHECK(p.used <= p.capacity);
+    KVLINK_FUZZ_CHECK(p.in_progress <= p.objects);
+  }
+  (void)kvlink::store::route_http(svc, "GET", "/metrics");
+  (void)kvlink::store::route_http(svc, "GET", "/segments");
+  svc.detach_client(a.session);
+  svc.detach_client(b.session);
+}
+
+}  // namespace
+
+extern "C" int LLVMFuzzerTestOneInput(const std::uint8_t* data, std::size_t size) {
+  decoders(std::string_view(reinterpret_cast<const char*>(data), size));
+  dispatch(data, size);
+  return 0;
+}

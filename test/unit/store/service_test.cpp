@@ -1,0 +1,189 @@
+// Tests for include/kvlink/store/master/service.hpp: the master's answer to
+// one frame, its client registry and liveness, and its settings, without I/O.
+#include <kvlink/core/instance.hpp>
+#include <kvlink/store/master/service.hpp>
+
+#include <chrono>
+#include <set>
+#include <string>
+#include <vector>
+
+#include <doctest/doctest.h>
+
+using namespace std::chrono_literals;
+using kvlink::errc;
+using kvlink::store_errc;
+namespace store = kvlink::store;
+namespace wire = kvlink::store::wire;
+
+namespace {
+
+store::master_time at(std::int64_t ms) { return store::master_time{std::chrono::milliseconds{ms}}; }
+
+struct answer {
+  wire::frame_header header;
+  std::string body;
+  bool close = false;
+};
+
+answer handle(store::master_service& svc, store::session_state& s, std::uint16_t type,
+              const std::string& body, std::int64_t now = 0) {
+  wire::frame_header h;
+  h.type = type;
+  h.id = 42;
+  h.body_length = static_cast<std::uint32_t>(body.size());
+  answer a;
+  const std::string bytes =
+      svc.handle_frame(s, h,
+                       std::span<const unsigned char>(
+                           reinterpret_cast<const unsigned char*>(body.data()), body.size()),
+                       at(now), a.close);
+  REQUIRE(bytes.size() >= wire::header_size);
+  wire::header_bytes hb{};
+  std::copy_n(bytes.begin(), wire::header_size, hb.begin());
+  REQUIRE(!wire::decode_header(hb, UINT32_MAX, a.header));
+  a.body = bytes.substr(wire::header_size);
+  CHECK(a.header.id == 42);
+  CHECK(a.header.body_length == a.body.size());
+  return a;
+}
+
+// The body of a request built by `fill` (its header dropped).
+template <class F>
+std::string body_of(F&& fill) {
+  wire::writer w(wire::message_type::heartbeat, 0, false);
+  fill(w);
+  return w.take().substr(wire::header_size);
+}
+
+constexpr auto t_put_start = static_cast<std::uint16_t>(wire::message_type::put_start);
+constexpr auto t_mount = static_cast<std::uint16_t>(wire::message_type::mount);
+constexpr auto t_heartbeat = static_cast<std::uint16_t>(wire::message_type::heartbeat);
+
+}  // namespace
+
+TEST_CASE("master service: unknown types, replies and bad bodies") {
+  store::master_service svc{{}, {}};
+  auto att = svc.attach_client(kvlink::make_instance_id(), "h:1", at(0));
+  CHECK_FALSE(att.known);
+
+  auto a = handle(svc, att.session, 77, "");
+  wire::reader r1(a.body);
+  CHECK(r1.status() == errc::invalid_argument);
+  CHECK_FALSE(a.close);
+
+  a = handle(svc, att.session, t_heartbeat | wire::reply_bit, "");
+  wire::reader r2(a.body);
+  CHECK(r2.status() == errc::invalid_argument);
+
+  a = handle(svc, att.session, t_heartbeat, "x");  // a heartbeat has no body
+  wire::reader r3(a.body);
+  CHECK(r3.status() == errc::malformed_message);
+  CHECK(a.close);
+}
+
+TEST_CASE("master service: put_start takes replicas, pins and parents per key") {
+  store::master_config cfg;
+  store::master_service svc{cfg, {}};
+  auto att = svc.attach_client(kvlink::make_instance_id(), "10.0.0.1:5", at(0));
+  for (const char* name : {"s0", "s1"}) {
+    const auto a = handle(svc, att.session, t_mount, body_of([&](wire::writer& w) {
+                            wire::mount_request{name, 1 << 20, 0}.encode(w);
+                          }));
+    wire::reader r(a.body);
+    REQUIRE(!r.status());
+  }
+  const auto a = handle(svc, att.session, t_put_start, body_of([](wire::writer& w) {
+                          wire::put_start_request req;
+                          req.replicas = 2;
+                          req.flags = wire::put_start_request::flag_hard_pin;
+                          req.keys = {"parent", "child", "self"};
+                          req.sizes = {100, 100, 100};
+                          req.parents = {"", "parent", "self"};
+                          req.encode(w);
+                        }));
+  wire::reader r(a.body);
+  REQUIRE(!r.status());
+  wire::placement_list pl;
+  REQUIRE(!pl.decode(r, false));
+  REQUIRE(pl.entries.size() == 3);
+  CHECK(pl.entries[0].code == 0);
+  CHECK(pl.entries[0].count == 2);
+  CHECK(pl.entries[0].replicas[0].segment != pl.entries[0].replicas[1].segment);
+  CHECK(pl.entries[1].code == 0);
+  CHECK(pl.entries[2].code == static_cast<std::uint32_t>(store_errc::invalid_params));
+  // Hard-pinned: a plain remove is refused.
+  store::object_table& t = svc.objects();
+  REQUIRE(!t.put_end("parent", att.session.client->id, at(0)));
+  CHECK(t.remove("parent", at(1'000'000)) == store_errc::object_hard_pinned);
+}
+
+TEST_CASE("master service: a client without an address mounts nothing") {
+  store::master_service svc{{}, {}};
+  auto att = svc.attach_client(kvlink::make_instance_id(), "", at(0));
+  const auto a = handle(svc, att.session, t_mount, body_of([](wire::writer& w) {
+                          wire::mount_request{"s", 1 << 20, 0}.encode(w);
+                        }));
+  wire::reader r(a.body);
+  CHECK(r.status() == store_errc::invalid_params);
+}
+
+TEST_CASE("master service: liveness on made-up time") {
+  store::server_options opt;
+  opt.suspect_after = 100ms;
+  opt.liveness_timeout = 300ms;
+  store::master_service svc{{}, opt};
+  const auto inst = kvlink::make_instance_id();
+  auto att = svc.attach_client(inst, "h:1", at(0));
+  const auto id = att.session.client->id;
+  {
+    const auto a = handle(svc, att.session, t_mount, body_of([](wire::writer& w) {
+                            wire::mount_request{"s", 1 << 20, 0}.encode(w);
+                          }));
+    wire::reader r(a.body);
+    REQUIRE(!r.status());
+  }
+  CHECK(svc.check_liveness(at(50)).suspected == 0);
+  CHECK(svc.check_liveness(at(150)).suspected == 1);
+  CHECK(svc.check_liveness(at(200)).suspected == 0);  // logged once
+  CHECK(svc.client_counts() == std::pair<std::size_t, std::size_t>{1, 1});
+  // Any frame refreshes it.
+  auto hb = handle(svc, att.session, t_heartbeat, "", 250);
+  wire::reader r1(hb.body);
+  REQUIRE(!r1.status());
+  CHECK(r1.u8() == 1);
+  CHECK(svc.check_liveness(at(300)).gone == 0);
+  CHECK(svc.client_counts() == std::pair<std::size_t, std::size_t>{1, 0});
+  CHECK(svc.check_liveness(at(600)).gone == 1);
+  CHECK(svc.objects().stats().segments == 0);
+  // Its connection speaks again: taken back unknown, same id.
+  hb = handle(svc, att.session, t_heartbeat, "", 700);
+  wire::reader r2(hb.body);
+  REQUIRE(!r2.status());
+  CHECK(r2.u8() == 0);
+  svc.detach_client(att.session);
+  auto again = svc.attach_client(inst, "h:1", at(710));
+  CHECK(again.known);
+  CHECK(again.session.client->id == id);
+}
+
+TEST_CASE("master service: every setting has a unique name and environment variable") {
+  const auto table = store::master_server_setting_table();
+  std::set<std::string> names, envs;
+  for (const auto& s : table) {
+    CHECK(names.insert(std::string(s.name)).second);
+    CHECK(envs.insert(std::string(s.env)).second);
+    CHECK(std::string(s.env).rfind("KVLINK_STORE_", 0) == 0);
+  }
+  store::master_server_config c;
+  std::string what;
+  CHECK(!kvlink::apply_json<store::master_server_config>(
+      table, nlohmann::json{{"store_listen", "127.0.0.1:1"}, {"store_liveness_timeout", "20s"}}, c,
+      &what));
+  CHECK(c.server.listen == "127.0.0.1:1");
+  CHECK(c.server.liveness_timeout == 20000ms);
+  CHECK(!c.server.validate());
+  c.server.suspect_after = 30s;
+  CHECK(c.server.validate(&what));
+  CHECK(what.find("store_liveness_timeout") != std::string::npos);
+}
