@@ -2,19 +2,23 @@
 // each in its own process (kvlink_store_peer, test/support/store_peer.cpp),
 // on loopback. Bytes are checked where they arrive; errors are checked by
 // their codes.
-#include "../support/peer_process.hpp"
-
-#include <doctest/doctest.h>
-
 #include <kvlink/store/error.hpp>
 
+#include <cerrno>
 #include <chrono>
+#include <memory>
+#include <stdexcept>
 #include <string>
+#include <system_error>
 #include <thread>
 #include <vector>
 
+#include "../support/peer_process.hpp"
 #include <asio/io_context.hpp>
 #include <asio/ip/tcp.hpp>
+#include <doctest/doctest.h>
+#include <stdlib.h>
+#include <unistd.h>
 
 #ifndef KVLINK_MASTER_PATH
 #error "KVLINK_MASTER_PATH and KVLINK_STORE_PEER_PATH are set by test/store/CMakeLists.txt"
@@ -38,25 +42,44 @@ std::uint16_t free_port() {
   return a.local_endpoint().port();
 }
 
-// A master with short liveness timeouts, so the tests see clients declared
-// gone within seconds.
+// A file that is removed with this object.
+struct temp_file {
+  explicit temp_file(const std::string& text) {
+    char name[] = "/tmp/kvlink_store_test_XXXXXX";
+    const int fd = ::mkstemp(name);
+    if (fd < 0) throw std::system_error(errno, std::generic_category(), "mkstemp");
+    path = name;
+    const auto n = ::write(fd, text.data(), text.size());
+    ::close(fd);
+    if (n != static_cast<ssize_t>(text.size())) throw std::runtime_error("write " + path);
+  }
+  ~temp_file() { ::unlink(path.c_str()); }
+  temp_file(const temp_file&) = delete;
+  temp_file& operator=(const temp_file&) = delete;
+  std::string path;
+};
+
+// A kvlink-master process with short liveness timeouts, so the tests see
+// clients declared gone within seconds.
 struct master {
-  explicit master(std::uint16_t port = 0, std::string secret = {})
-      : proc(KVLINK_MASTER_PATH, args(port, secret), "kvlink-master: listening on ") {
+  explicit master(std::uint16_t port = 0, const std::string& secret = {})
+      : config(R"({"store_heartbeat_interval": "100ms", "store_suspect_after": "400ms",
+                   "store_liveness_timeout": "1500ms"})"),
+        secret_file(secret.empty() ? "unused" : secret),
+        proc(KVLINK_MASTER_PATH, args(port, secret.empty()), "kvlink-master: listening on ") {
     address = proc.address().substr(0, proc.address().find(' '));
   }
-  static std::vector<std::string> args(std::uint16_t port, const std::string& secret) {
-    std::vector<std::string> a{"--listen",
-                               "127.0.0.1:" + std::to_string(port),
-                               "--config",
-                               R"({"store_heartbeat_interval": "100ms", "store_suspect_after": "400ms",
-                                   "store_liveness_timeout": "1500ms"})"};
-    if (!secret.empty()) {
-      a.push_back("--auth-secret");
-      a.push_back(secret);
+  std::vector<std::string> args(std::uint16_t port, bool open) const {
+    std::vector<std::string> a{"--listen", "127.0.0.1:" + std::to_string(port), "--config",
+                               config.path};
+    if (!open) {
+      a.push_back("--auth-secret-file");
+      a.push_back(secret_file.path);
     }
     return a;
   }
+  temp_file config;
+  temp_file secret_file;
   peer_process proc;
   std::string address;
 };
@@ -93,23 +116,27 @@ TEST_CASE("store: put, get, exists, remove across processes; first writer wins")
   auto b = client(m.address, 0);  // a pure requester
   CHECK(a.command("PUT k1 100000 7") == "OK");
   CHECK(b.command("GET k1 7") == "OK 100000");
-  CHECK(a.command("GET k1 7") == "OK 100000");  // from its own segment
+  CHECK(a.command("GET k1 7") == "OK 100000");        // from its own segment
   CHECK(b.command("GET k1 8").rfind("BAD", 0) == 0);  // the check can fail
   CHECK(b.command("EXISTS k1") == "YES");
   CHECK(b.command("EXISTS k2") == "NO");
-  CHECK(b.command("PUT k1 10 9").rfind("ERR " + code(kvlink::store_errc::object_already_exists), 0) == 0);
+  CHECK(
+      b.command("PUT k1 10 9").rfind("ERR " + code(kvlink::store_errc::object_already_exists), 0) ==
+      0);
   CHECK(b.command("GET k1 7") == "OK 100000");  // unchanged
   CHECK(b.command("PUT k2 4096 3") == "OK");    // from a requester into a's segment
   CHECK(a.command("GET k2 3") == "OK 4096");
-  CHECK(b.command("REMOVE k1") == "OK");
+  // Read a moment ago: it holds a read lease, so only a forced remove takes it.
+  CHECK(b.command("REMOVE k1").rfind("ERR " + code(kvlink::store_errc::object_has_lease), 0) == 0);
+  CHECK(b.command("EXISTS k1") == "YES");
+  CHECK(b.command("REMOVE k1 force") == "OK");
   CHECK(b.command("EXISTS k1") == "NO");
   CHECK(b.command("GET k1 7").rfind("ERR " + code(kvlink::store_errc::object_not_found), 0) == 0);
   CHECK(b.command("REMOVE k1").rfind("ERR " + code(kvlink::store_errc::object_not_found), 0) == 0);
   // Bad input: a key longer than the master's bound, a size of zero.
   CHECK(b.command("PUT " + std::string(5000, 'x') + " 10 1")
             .rfind("ERR " + code(kvlink::store_errc::invalid_key), 0) == 0);
-  CHECK(b.command("PUT zero 0 1").rfind("ERR " + code(kvlink::store_errc::invalid_params), 0) ==
-        0);
+  CHECK(b.command("PUT zero 0 1").rfind("ERR " + code(kvlink::store_errc::invalid_params), 0) == 0);
   CHECK(a.finish() == 0);
   CHECK(b.finish() == 0);
 }
@@ -122,8 +149,10 @@ TEST_CASE("store: batches of 4 KiB objects, every byte checked, results in order
   CHECK(b.command("GETB 500 blk 100") == "OK");
   CHECK(a.command("GETB 500 blk 100") == "OK");
   // Existing keys fail one by one, in order; the batch as a whole answers.
-  CHECK(b.command("PUTB 3 blk 64 1").rfind("ERR 0 " + code(kvlink::store_errc::object_already_exists), 0) == 0);
-  CHECK(b.command("GETB 501 blk 100").rfind("ERR 500 " + code(kvlink::store_errc::object_not_found), 0) == 0);
+  CHECK(b.command("PUTB 3 blk 64 1")
+            .rfind("ERR 0 " + code(kvlink::store_errc::object_already_exists), 0) == 0);
+  CHECK(b.command("GETB 501 blk 100")
+            .rfind("ERR 500 " + code(kvlink::store_errc::object_not_found), 0) == 0);
   CHECK(a.finish() == 0);
   CHECK(b.finish() == 0);
 }
@@ -141,7 +170,9 @@ TEST_CASE("store: a replica's owner SIGKILLed: the other replica serves; its own
   CHECK(req.command("GET both 12") == "OK 65536");
   // Within the liveness timeout a's objects leave the lookups.
   CHECK(until(req, "EXISTS only-a", "NO") == "NO");
-  CHECK(req.command("GET only-a 11").rfind("ERR " + code(kvlink::store_errc::object_not_found), 0) == 0);
+  CHECK(
+      req.command("GET only-a 11").rfind("ERR " + code(kvlink::store_errc::object_not_found), 0) ==
+      0);
   CHECK(req.command("GET both 12") == "OK 65536");
   CHECK(c.finish() == 0);
   CHECK(req.finish() == 0);
@@ -154,7 +185,8 @@ TEST_CASE("store: the master restarted: clients reconnect and mount again") {
   auto b = client(m->address, 0);
   CHECK(b.command("PUT before 4096 1") == "OK");
   m.reset();  // SIGKILL: its metadata is gone (durability is the SSD tier's issue)
-  CHECK(b.command("PUT during 4096 2").rfind("ERR " + code(kvlink::store_errc::rpc_failed), 0) == 0);
+  CHECK(b.command("PUT during 4096 2").rfind("ERR " + code(kvlink::store_errc::rpc_failed), 0) ==
+        0);
   m = std::make_unique<master>(port);
   // a mounts its segment again by itself; then b's puts find space.
   CHECK(until(b, "PUT after 4096 3", "OK") == "OK");

@@ -1,8 +1,8 @@
 // A kvlink_test_peer child process (test/support/test_peer.cpp), or another
-// line-driven test program, for tests that need a peer in another process: pipes to its stdin and from its
-// stdout, its address from its first line, commands answered line by line.
-// The destructor SIGKILLs it if it still runs and always reaps it; it gets
-// PR_SET_PDEATHSIG, so no process outlives the test.
+// line-driven test program, for tests that need a peer in another process: pipes to its stdin and
+// from its stdout, its address from its first line, commands answered line by line. The destructor
+// SIGKILLs it if it still runs and always reaps it; it gets PR_SET_PDEATHSIG, so no process
+// outlives the test.
 #pragma once
 
 #include <cerrno>

@@ -24,8 +24,6 @@
 //
 // <code> is "<category>:<value>" (kvlink.store:704). Closing stdin closes
 // the client (its segment leaves the pool) and ends the process with 0.
-#include "test_support.hpp"
-
 #include <kvlink/engine.hpp>
 #include <kvlink/store/client/client.hpp>
 
@@ -38,6 +36,7 @@
 #include <thread>
 #include <vector>
 
+#include "test_support.hpp"
 #include <asio/io_context.hpp>
 #include <asio/use_future.hpp>
 
@@ -172,7 +171,8 @@ int main(int argc, char** argv) {
             for (std::uint64_t i = 0; i < n; ++i) bufs[i] = work.data() + i * slot;
             client.async_get_batch(keys, bufs, caps, sizes, results, asio::use_future).get();
             for (std::uint64_t i = 0; i < n && reply.empty(); ++i) {
-              if (!results[i] && first_bad(work.data() + i * slot, sizes[i], seed + i) != sizes[i]) {
+              if (!results[i] &&
+                  first_bad(work.data() + i * slot, sizes[i], seed + i) != sizes[i]) {
                 reply = "BAD " + std::to_string(i);
               }
             }

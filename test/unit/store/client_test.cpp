@@ -2,10 +2,6 @@
 // engines on loopback: bytes checked where they arrive, errors by code,
 // and 8 clients x 8 threads at once (run under ThreadSanitizer in CI). The
 // same client against a kvlink-master process: test/store/store_test.cpp.
-#include "../../support/test_support.hpp"
-
-#include <doctest/doctest.h>
-
 #include <kvlink/engine.hpp>
 #include <kvlink/store/client/client.hpp>
 #include <kvlink/store/master/server.hpp>
@@ -18,8 +14,10 @@
 #include <thread>
 #include <vector>
 
+#include "../../support/test_support.hpp"
 #include <asio/io_context.hpp>
 #include <asio/use_future.hpp>
+#include <doctest/doctest.h>
 
 namespace {
 
@@ -111,7 +109,11 @@ TEST_CASE("store client: put, get, exists, remove between clients; bytes checked
   REQUIRE(b.put("k2", 0, 4096, 3) == std::error_code{});
   REQUIRE(a.get("k2", 0, 4096, size) == std::error_code{});
   CHECK(is_pattern(a.work.data(), 4096, 3, 0));
-  CHECK_NOTHROW(b.client.async_remove("k1", false, asio::use_future).get());
+  // Read a moment ago: it holds a read lease (10 s), so only a forced remove takes it.
+  CHECK_THROWS_WITH_AS(b.client.async_remove("k1", false, asio::use_future).get(),
+                       doctest::Contains("read lease"), std::system_error);
+  CHECK(b.client.async_exists("k1", asio::use_future).get());
+  CHECK_NOTHROW(b.client.async_remove("k1", true, asio::use_future).get());
   CHECK_FALSE(b.client.async_exists("k1", asio::use_future).get());
   CHECK(b.get("k1", 0, b.work.size(), size) == kvlink::store_errc::object_not_found);
 }
@@ -119,25 +121,26 @@ TEST_CASE("store client: put, get, exists, remove between clients; bytes checked
 TEST_CASE("store client: bad input gets its error and leaves nothing behind") {
   rig r;
   member a(r, 1u << 20, 4u << 20);
+  member b(r, 0);  // a requester: its puts go through the engine
   std::uint64_t size = 0;
   CHECK(a.put("", 0, 10, 1) == kvlink::store_errc::invalid_key);
   CHECK(a.put(std::string(5000, 'k'), 0, 10, 1) == kvlink::store_errc::invalid_key);
   CHECK(a.put("zero", 0, 0, 1) == kvlink::store_errc::invalid_params);
   CHECK(a.put("huge", 0, 2u << 20, 1) != std::error_code{});  // beyond any segment
-  // Data outside registered memory: the transfer refuses it and the put is
-  // revoked (the key is free again).
+  // Data outside registered memory: the engine refuses the transfer and the
+  // put is revoked (the key is free again).
   std::vector<std::byte> loose(4096);
   const auto ec = [&]() -> std::error_code {
     try {
-      a.client.async_put("loose", loose.data(), loose.size(), {}, {}, asio::use_future).get();
+      b.client.async_put("loose", loose.data(), loose.size(), {}, {}, asio::use_future).get();
       return {};
     } catch (const std::system_error& e) {
       return e.code();
     }
   }();
-  CHECK(ec != std::error_code{});
+  CHECK(ec == kvlink::errc::not_registered);
   CHECK_FALSE(a.client.async_exists("loose", asio::use_future).get());
-  CHECK(a.put("loose", 0, 4096, 5) == std::error_code{});
+  CHECK(b.put("loose", 0, 4096, 5) == std::error_code{});
   // The pool full: no_space at once, as Mooncake's -200.
   CHECK(a.put("big1", 0, 700u << 10, 6) == std::error_code{});
   CHECK(a.put("big2", 0, 700u << 10, 7) == kvlink::store_errc::no_space);
@@ -195,9 +198,10 @@ TEST_CASE("store client: replicas on distinct segments; batches with results in 
   }
   // Columns of different lengths: the batch fails as a whole.
   std::vector<std::error_code> short_results(1);
-  CHECK_THROWS_AS(
-      c.client.async_exists_batch(keys, short_results, asio::use_future).get(), std::system_error);
-  c.client.async_remove_batch(keys, false, results, asio::use_future).get();
+  CHECK_THROWS_AS(c.client.async_exists_batch(keys, short_results, asio::use_future).get(),
+                  std::system_error);
+  // Read a moment ago (leased): a forced remove.
+  c.client.async_remove_batch(keys, true, results, asio::use_future).get();
   for (std::size_t i = 0; i < n; ++i) CHECK(results[i] == std::error_code{});
   c.client.async_exists_batch(keys, results, asio::use_future).get();
   for (std::size_t i = 0; i < n; ++i) CHECK(results[i] == kvlink::store_errc::object_not_found);
@@ -219,7 +223,8 @@ TEST_CASE("store client: 8 clients x 8 threads at once") {
         auto& me = *m[c];
         auto& other = *m[(c + 1) % clients];
         for (std::size_t i = 0; i < ops; ++i) {
-          const std::string key = std::to_string(c) + "/" + std::to_string(t) + "/" + std::to_string(i);
+          const std::string key =
+              std::to_string(c) + "/" + std::to_string(t) + "/" + std::to_string(i);
           const std::size_t off = (t * ops + i) * size;
           const std::uint64_t seed = c * 10'000 + t * 100 + i;
           if (me.put(key, off, size, seed)) {
