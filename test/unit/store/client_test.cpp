@@ -247,3 +247,64 @@ TEST_CASE("store client: 8 clients x 8 threads at once") {
   const auto st = m[0]->client.async_stats(asio::use_future).get();
   CHECK(st.objects == clients * threads * ops);
 }
+
+TEST_CASE("store client: a full pool evicts under pressure; leased, pinned and chain heads stay") {
+  rig r(2);
+  member a(r, 1u << 20, 4u << 20);  // a 1 MiB pool
+  member w(r, 0, 4u << 20);         // writers and readers
+  constexpr std::uint64_t piece = 64u << 10;
+  store::put_config hard;
+  hard.hard_pin = true;
+  REQUIRE(w.put("pinned", 0, piece, 1, hard) == std::error_code{});
+  REQUIRE(w.put("head", 0, piece, 2) == std::error_code{});
+  fill_pattern(w.work.data(), piece, 3, 0);
+  REQUIRE_NOTHROW(
+      w.client.async_put("tail", w.work.data(), piece, {}, "head", asio::use_future).get());
+  REQUIRE(w.put("read", 0, piece, 4) == std::error_code{});
+  std::uint64_t size = 0;
+  REQUIRE(w.get("read", 0, piece, size) == std::error_code{});  // leased for 10 s
+  // Writers fill the pool many times over while a reader checks "read". A
+  // put may answer no_space (Mooncake's -200: back off) while eviction
+  // makes room; it never hangs, and each is retried until it lands.
+  std::atomic<int> lost{0}, puts{0}, no_space{0};
+  std::vector<std::thread> users;
+  for (std::size_t t = 0; t < 2; ++t) {
+    users.emplace_back([&, t] {
+      for (std::size_t i = 0; i < 24; ++i) {
+        const std::string key = "fill/" + std::to_string(t) + "/" + std::to_string(i);
+        const std::size_t off = (1 + t) * piece;
+        for (int attempt = 0; attempt < 200; ++attempt) {
+          const auto ec = w.put(key, off, piece, 100 + i);
+          if (!ec) {
+            ++puts;
+            break;
+          }
+          if (ec != kvlink::store_errc::no_space) break;
+          ++no_space;
+          std::this_thread::sleep_for(std::chrono::milliseconds(5));
+        }
+      }
+    });
+  }
+  users.emplace_back([&] {
+    for (int i = 0; i < 20; ++i) {
+      if (!w.client.async_exists("read", asio::use_future).get()) ++lost;
+      std::this_thread::sleep_for(std::chrono::milliseconds(5));
+    }
+  });
+  for (auto& u : users) u.join();
+  MESSAGE("puts " << puts.load() << ", no_space answers " << no_space.load());
+  CHECK(puts.load() == 48);  // 3 MiB through a 1 MiB pool: eviction made room
+  CHECK(lost.load() == 0);
+  CHECK(w.client.async_exists("pinned", asio::use_future).get());
+  CHECK(w.client.async_exists("read", asio::use_future).get());
+  REQUIRE(w.get("pinned", 0, piece, size) == std::error_code{});
+  CHECK(is_pattern(w.work.data(), piece, 1, 0));
+  // A chain's head outlives its tail: never the tail without the head.
+  const bool tail = w.client.async_exists("tail", asio::use_future).get();
+  const bool head = w.client.async_exists("head", asio::use_future).get();
+  CHECK((!tail || head));
+  // Hard-pinned: only a forced remove takes it.
+  CHECK_THROWS_AS(w.client.async_remove("pinned", false, asio::use_future).get(),
+                  std::system_error);
+}
