@@ -726,6 +726,7 @@ class client_state : public std::enable_shared_from_this<client_state> {
     auto ec = co_await control::dial(*sock, eps, timeout, options, hello,
                                      control::max_handshake_message, auth, welcome);
     if (ec == errc::peer_unreachable) co_return unreachable("no answer");
+    if (ec == errc::peer_closed) co_return unreachable("the connection was lost in the handshake");
     if (ec) {
       log_once("store: the master at {} refused this client: {}{}", opt_.master, ec.message(),
                ec == errc::invalid_argument ? " (is it a kvlink engine, not a store master?)" : "");
@@ -746,6 +747,10 @@ class client_state : public std::enable_shared_from_this<client_state> {
     master_ = *master;
     socket_ = std::move(sock);
     connected_ = true;
+    if (logged_unreachable_) {
+      kvlink::detail::log("store: reached the master at {} again{}", opt_.master,
+                          known ? "" : " (it did not know this client: mounting again)");
+    }
     logged_unreachable_ = false;
     asio::co_spawn(strand_, read_loop(shared_from_this(), socket_), asio::detached);
     if (!known && !mounts_.empty()) {
