@@ -1,8 +1,8 @@
 // The conformance suite: what every transport must keep, checked through
 // the engine on two engines in one process. Each test binary includes this
-// file once and defines the transport under test (conformance_fake.cpp,
-// conformance_tcp.cpp; test/rdma/vm/conformance_rdma.cpp runs it between
-// soft-RoCE devices inside a VM).
+// file once and defines the transport under test (conformance.cpp: fake,
+// tcp or shm, chosen at run time; test/rdma/vm/conformance_rdma.cpp runs it
+// between soft-RoCE devices inside a VM).
 //
 // The contract (engine.hpp): complete means visible; the handler runs
 // exactly once, never inside the initiating call, and never while a slice

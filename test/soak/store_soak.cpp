@@ -178,7 +178,8 @@ int main(int argc, char** argv) {
         const auto pick = g() % 10;
         bool failed = false;
         if (mine.empty() || (pick < 4 && kept_bytes < (6u << 20))) {
-          const std::string key = "c" + std::to_string(c) + "/" + std::to_string(next++);
+          const std::string key =
+              std::string("c").append(std::to_string(c)).append("/").append(std::to_string(next++));
           const known k{1 + g() % max_object, g()};
           kvlink_test::fill_pattern(m.work.data(), k.size, k.seed, 0);
           store::put_config pc;

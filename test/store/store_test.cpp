@@ -31,7 +31,7 @@ using namespace std::chrono_literals;
 
 // "<category>:<value>" as kvlink_store_peer prints it.
 std::string code(kvlink::store_errc e) {
-  return "kvlink.store:" + std::to_string(static_cast<int>(e));
+  return std::string("kvlink.store:").append(std::to_string(static_cast<int>(e)));
 }
 
 // A port free now (bound and released), for a master that must come back
@@ -70,8 +70,8 @@ struct master {
     address = proc.address().substr(0, proc.address().find(' '));
   }
   std::vector<std::string> args(std::uint16_t port, bool open) const {
-    std::vector<std::string> a{"--listen", "127.0.0.1:" + std::to_string(port), "--config",
-                               config.path};
+    std::vector<std::string> a{"--listen", std::string("127.0.0.1:").append(std::to_string(port)),
+                               "--config", config.path};
     if (!open) {
       a.push_back("--auth-secret-file");
       a.push_back(secret_file.path);

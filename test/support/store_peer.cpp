@@ -132,7 +132,8 @@ int main(int argc, char** argv) {
           in >> key >> seed;
           const auto size = client.async_get(key, work.data(), work.size(), asio::use_future).get();
           const auto bad = first_bad(work.data(), size, seed);
-          reply = bad == size ? "OK " + std::to_string(size) : "BAD " + std::to_string(bad);
+          reply = bad == size ? std::string("OK ").append(std::to_string(size))
+                              : std::string("BAD ").append(std::to_string(bad));
         } else if (verb == "EXISTS") {
           std::string key;
           in >> key;
@@ -173,18 +174,19 @@ int main(int argc, char** argv) {
             for (std::uint64_t i = 0; i < n && reply.empty(); ++i) {
               if (!results[i] &&
                   first_bad(work.data() + i * slot, sizes[i], seed + i) != sizes[i]) {
-                reply = "BAD " + std::to_string(i);
+                reply = std::string("BAD ").append(std::to_string(i));
               }
             }
           }
           for (std::uint64_t i = 0; i < n && reply.empty(); ++i) {
-            if (results[i]) reply = "ERR " + std::to_string(i) + " " + code_of(results[i]);
+            if (results[i])
+              reply = std::string("ERR ").append(std::to_string(i)) + " " + code_of(results[i]);
           }
           if (reply.empty()) reply = "OK";
         } else if (verb == "STATS") {
           const auto s = client.async_stats(asio::use_future).get();
-          reply = "OK " + std::to_string(s.capacity) + " " + std::to_string(s.used) + " " +
-                  std::to_string(s.objects);
+          reply = std::string("OK ").append(std::to_string(s.capacity)) + " " +
+                  std::to_string(s.used) + " " + std::to_string(s.objects);
         } else {
           reply = "ERR unknown command";
         }

@@ -57,7 +57,7 @@ std::vector<std::byte> random_bytes(std::size_t n, std::uint64_t seed) {
   return v;
 }
 
-struct outcome {
+struct device_outcome {
   std::error_code ec;
   kvlink::transfer_result result;
   bool done = false;
@@ -93,8 +93,8 @@ struct device_rig {
 
   kvlink::remote_segment seg() const { return {peer.id(), remote_seg}; }
 
-  outcome run(std::vector<kvlink::transfer_request> reqs) {
-    outcome o;
+  device_outcome run(std::vector<kvlink::transfer_request> reqs) {
+    device_outcome o;
     initiator->async_submit_transfer(reqs, [&](std::error_code ec, kvlink::transfer_result r) {
       o.ec = ec;
       o.result = r;
@@ -193,7 +193,7 @@ TEST_CASE("device memory: cancellation and deadlines with copies in flight keep 
     const auto before = r.remote.snapshot();
     // Cancelled at once: fails with cancelled, and nothing changes after the handler.
     asio::cancellation_signal sig;
-    outcome o;
+    device_outcome o;
     r.initiator->async_submit_transfer(
         std::vector<kvlink::transfer_request>{{opcode::write, r.local.data(), r.seg(), 0, n}},
         asio::bind_cancellation_slot(sig.slot(),
@@ -213,7 +213,7 @@ TEST_CASE("device memory: cancellation and deadlines with copies in flight keep 
     CHECK(o.result.bytes < n);
     (void)before;
     // A deadline too short for 64 MiB: deadline_exceeded, then nothing moves.
-    outcome d;
+    device_outcome d;
     kvlink::transfer_options opts;
     opts.deadline = 1ms;
     r.initiator->async_submit_transfer(
@@ -245,7 +245,7 @@ TEST_CASE("device memory: unregistering a local device segment while staged copi
   auto rt = runtime();
   const std::size_t n = 64u << 20;
   device_rig r{n, false, true};
-  outcome o;
+  device_outcome o;
   r.initiator->async_submit_transfer(
       std::vector<kvlink::transfer_request>{{opcode::write, r.local.data(), r.seg(), 0, n}},
       [&](std::error_code ec, kvlink::transfer_result res) {

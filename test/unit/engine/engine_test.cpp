@@ -49,12 +49,12 @@ kvlink::config test_config() {
   return c;
 }
 
-struct outcome {
+struct run_outcome {
   std::error_code ec;
   kvlink::transfer_result result;
 };
 
-struct rig {
+struct pair_rig {
   asio::io_context io;
   std::optional<kvlink::tcp_engine> target;
   kvlink::tcp_engine initiator;
@@ -63,7 +63,7 @@ struct rig {
   kvlink::segment_id remote_seg;
   kvlink::peer peer;
 
-  explicit rig(std::size_t size = 1 << 20, kvlink::access acc = kvlink::access::remote_read_write,
+  explicit pair_rig(std::size_t size = 1 << 20, kvlink::access acc = kvlink::access::remote_read_write,
                kvlink::config tcfg = test_config(), kvlink::config icfg = test_config())
       : target(std::in_place, io.get_executor(), tcfg),
         initiator(io.get_executor(), icfg),
@@ -82,11 +82,11 @@ struct rig {
     return out->second;
   }
 
-  outcome run(const std::vector<kvlink::transfer_request>& reqs,
+  run_outcome run(const std::vector<kvlink::transfer_request>& reqs,
               kvlink::transfer_options opts = {}) {
-    std::optional<outcome> out;
+    std::optional<run_outcome> out;
     initiator.async_submit_transfer(reqs, opts, [&](std::error_code ec, kvlink::transfer_result r) {
-      out = outcome{ec, r};
+      out = run_outcome{ec, r};
     });
     REQUIRE(run_until(io, [&] { return out.has_value(); }));
     return *out;
@@ -101,7 +101,7 @@ struct rig {
 }  // namespace
 
 TEST_CASE("write then read back, one request") {
-  rig r;
+  pair_rig r;
   REQUIRE(r.peer.connected());
   CHECK(r.peer.transport() == "tcp");
   REQUIRE(r.peer.segments().size() == 1);
@@ -122,7 +122,7 @@ TEST_CASE("write then read back, one request") {
 
 TEST_CASE("sizes from 1 byte to 64 MiB at random offsets, WRITE and READ") {
   constexpr std::size_t total = (64u << 20) + 8192;
-  rig r{total};
+  pair_rig r{total};
   std::mt19937_64 g{42};
   const std::uint64_t sizes[] = {1,         7,        4096, 65536, 65537, 1 << 20, (1 << 20) + 3,
                                  16u << 20, 64u << 20};
@@ -155,7 +155,7 @@ TEST_CASE("sizes from 1 byte to 64 MiB at random offsets, WRITE and READ") {
 
 TEST_CASE("batches of 1 to 10^4 requests, scattered, mixed sizes") {
   constexpr std::size_t total = 16u << 20;
-  rig r{total};
+  pair_rig r{total};
   std::mt19937_64 g{7};
   for (const std::size_t n : {1u, 10u, 100u, 1000u, 10000u}) {
     for (const auto op : {opcode::write, opcode::read}) {
@@ -197,7 +197,7 @@ TEST_CASE("batches of 1 to 10^4 requests, scattered, mixed sizes") {
 }
 
 TEST_CASE("completion tokens: callback, future, use_awaitable, as_tuple") {
-  rig r;
+  pair_rig r;
   fill(r.local_mem, 3);
   std::vector<kvlink::transfer_request> reqs{r.req(opcode::write, 0, 0, 4096)};
 
@@ -250,7 +250,7 @@ TEST_CASE("completion tokens: callback, future, use_awaitable, as_tuple") {
 }
 
 TEST_CASE("request errors are reported and move nothing") {
-  rig r{1 << 20, kvlink::access::remote_read};  // target grants READ only
+  pair_rig r{1 << 20, kvlink::access::remote_read};  // target grants READ only
   fill(r.remote_mem, 5);
   const auto remote_before = r.remote_mem;
   std::vector<std::byte> unregistered(4096);
@@ -303,7 +303,7 @@ TEST_CASE("request errors are reported and move nothing") {
 
 TEST_CASE(
     "segments registered after the handshake reach the peer; unregistration waits and refuses") {
-  rig r;
+  pair_rig r;
   std::vector<std::byte> extra(8192);
   fill(extra, 9);
   const auto id =
@@ -329,7 +329,7 @@ TEST_CASE(
 }
 
 TEST_CASE("overlapping destinations in one batch are refused before anything moves") {
-  rig r;
+  pair_rig r;
   fill(r.local_mem, 21);
   fill(r.remote_mem, 22);
   const auto local_before = r.local_mem;
@@ -354,7 +354,7 @@ TEST_CASE("overlapping destinations in one batch are refused before anything mov
 }
 
 TEST_CASE("overlapping sources and touching destinations are allowed") {
-  rig r;
+  pair_rig r;
   fill(r.local_mem, 23);
   fill(r.remote_mem, 24);
   // One local range written to two places; two remote ranges that touch.
@@ -390,7 +390,7 @@ TEST_CASE("connect errors: unreachable, bad address") {
 }
 
 TEST_CASE("connecting twice to a live peer reuses it") {
-  rig r;
+  pair_rig r;
   auto again = r.connect(r.target->local_address());
   CHECK(again.id() == r.peer.id());
   CHECK(again.instance() == r.target->instance());
@@ -440,12 +440,12 @@ TEST_CASE("a restarted peer is a new instance") {
 }
 
 TEST_CASE("peer closing mid-transfer fails it with peer_closed, and later transfers fail fast") {
-  rig r{64u << 20};
+  pair_rig r{64u << 20};
   fill(r.local_mem, 11);
-  std::optional<outcome> out;
+  std::optional<run_outcome> out;
   r.initiator.async_submit_transfer(std::vector{r.req(opcode::write, 0, 0, r.local_mem.size())},
                                     [&](std::error_code ec, kvlink::transfer_result res) {
-                                      out = outcome{ec, res};
+                                      out = run_outcome{ec, res};
                                     });
   // Let some bytes flow, then the target goes away.
   for (int i = 0; i < 20 && !out; ++i) r.io.run_one_for(10ms);
@@ -571,11 +571,11 @@ TEST_CASE(
   REQUIRE(run_until(io, [&] { return connected; }));
   for (const auto op : {opcode::write, opcode::read}) {
     CAPTURE(kvlink::to_string(op));
-    std::optional<outcome> out;
+    std::optional<run_outcome> out;
     std::vector<kvlink::transfer_request> reqs{{op, mem.data(), p.segment(0), 0, mem.size()}};
     eng.async_submit_transfer(reqs, kvlink::transfer_options{.deadline = 100ms},
                               [&](std::error_code ec, kvlink::transfer_result r) {
-                                out = outcome{ec, r};
+                                out = run_outcome{ec, r};
                               });
     REQUIRE(run_until(
         io, [&] { return out.has_value(); }, 20s));
@@ -595,13 +595,13 @@ TEST_CASE("cancellation: the handler gets errc::cancelled and no byte changes af
   // a busy machine 64 MiB can take longer than the 200 ms of test_config().
   kvlink::config cfg = test_config();
   cfg.fence_timeout = 20s;
-  rig r{64u << 20, kvlink::access::remote_read_write, cfg, cfg};
+  pair_rig r{64u << 20, kvlink::access::remote_read_write, cfg, cfg};
   for (const auto op : {opcode::read, opcode::write}) {
     CAPTURE(kvlink::to_string(op));
     fill(r.local_mem, 21);
     fill(r.remote_mem, 22);
     asio::cancellation_signal sig;
-    std::optional<outcome> out;
+    std::optional<run_outcome> out;
     std::vector<kvlink::transfer_request> reqs;
     // Many requests: some are in flight when the cancel lands, some are not sent yet.
     for (std::size_t off = 0; off < r.local_mem.size(); off += 1 << 20)
@@ -609,7 +609,7 @@ TEST_CASE("cancellation: the handler gets errc::cancelled and no byte changes af
     r.initiator.async_submit_transfer(
         reqs, asio::bind_cancellation_slot(sig.slot(),
                                            [&](std::error_code ec, kvlink::transfer_result res) {
-                                             out = outcome{ec, res};
+                                             out = run_outcome{ec, res};
                                            }));
     r.io.run_one_for(1ms);
     sig.emit(asio::cancellation_type::terminal);
@@ -631,7 +631,7 @@ TEST_CASE("cancellation: the handler gets errc::cancelled and no byte changes af
 
 TEST_CASE("cancellation through awaitable operators (a timer racing the transfer)") {
   using namespace asio::experimental::awaitable_operators;
-  rig r{64u << 20};
+  pair_rig r{64u << 20};
   std::vector<kvlink::transfer_request> reqs;
   for (std::size_t off = 0; off < r.local_mem.size(); off += 1 << 20)
     reqs.push_back(r.req(opcode::write, off, off, 1 << 20));
@@ -859,7 +859,7 @@ TEST_CASE("hostile clients: garbage, truncated frames, huge lengths, out-of-boun
 }
 
 TEST_CASE("notifications: attached to a WRITE they arrive after the data; standalone ones too") {
-  rig r;
+  pair_rig r;
   fill(r.local_mem, 31);
   std::optional<kvlink::notification> got;
   std::vector<std::byte> seen;  // the target's bytes at the moment the notification arrives
@@ -959,7 +959,7 @@ TEST_CASE("handshakes are served concurrently: a client that never speaks does n
 }
 
 TEST_CASE("requests are validated before anything is sent: opcode, address, overflow") {
-  rig r;
+  pair_rig r;
   fill(r.local_mem, 71);
   const auto remote_before = r.remote_mem;
   // An opcode that is neither read nor write (easy to produce from a binding).
@@ -1038,23 +1038,23 @@ TEST_CASE("a local buffer that is not accessible fails its transfer, not the pee
   REQUIRE(map != MAP_FAILED);
   auto* good = static_cast<std::byte*>(map);
   std::byte* bad = good + half;
-  rig r{half};
+  pair_rig r{half};
   r.initiator.register_segment(good, 2 * half);
   fill(std::span(good, half), 81);
   REQUIRE(::mprotect(bad, half, PROT_NONE) == 0);
   for (const auto op : {opcode::write, opcode::read}) {
     CAPTURE(kvlink::to_string(op));
     // The good transfer and the bad one at once, on the same lanes.
-    std::optional<outcome> ok_out, bad_out;
+    std::optional<run_outcome> ok_out, bad_out;
     r.initiator.async_submit_transfer(
         std::vector<kvlink::transfer_request>{{opcode::write, good, r.peer.segment(0), 0, half}},
         [&](std::error_code ec, kvlink::transfer_result res) {
-          ok_out = outcome{ec, res};
+          ok_out = run_outcome{ec, res};
         });
     r.initiator.async_submit_transfer(
         std::vector<kvlink::transfer_request>{{op, bad, r.peer.segment(0), 0, 1u << 20}},
         [&](std::error_code ec, kvlink::transfer_result res) {
-          bad_out = outcome{ec, res};
+          bad_out = run_outcome{ec, res};
         });
     REQUIRE(run_until(r.io, [&] { return ok_out && bad_out; }));
     CHECK(bad_out->ec == kvlink::errc::local_memory_fault);
@@ -1133,7 +1133,7 @@ void run_co(asio::io_context& io, F f) {
 }  // namespace
 
 TEST_CASE("authentication between engines: the same secret works, any other is refused") {
-  rig ok{1 << 20, kvlink::access::remote_read_write, secret_config("s3cret"),
+  pair_rig ok{1 << 20, kvlink::access::remote_read_write, secret_config("s3cret"),
          secret_config("s3cret")};
   fill(ok.local_mem, 91);
   auto w = ok.run({ok.req(opcode::write, 0, 0, ok.local_mem.size())});  // over bound lanes
@@ -1279,7 +1279,7 @@ TEST_CASE("the secret from a file; a file that cannot be read stops the engine w
   }
   auto file_cfg = test_config();
   file_cfg.auth_secret_file = path;
-  rig r{1 << 16, kvlink::access::remote_read_write, secret_config("s3cret"), file_cfg};
+  pair_rig r{1 << 16, kvlink::access::remote_read_write, secret_config("s3cret"), file_cfg};
   auto out = r.run({r.req(opcode::write, 0, 0, 4096)});
   CHECK_FALSE(out.ec);
   std::remove(path.c_str());
@@ -1296,7 +1296,7 @@ TEST_CASE("the secret from a file; a file that cannot be read stops the engine w
 TEST_CASE("checksums: end to end, both directions; a wrong one is refused, not acknowledged") {
   auto cfg = test_config();
   cfg.checksums = true;
-  rig r{4u << 20, kvlink::access::remote_read_write, cfg, cfg};
+  pair_rig r{4u << 20, kvlink::access::remote_read_write, cfg, cfg};
   fill(r.local_mem, 101);
   auto w = r.run({r.req(opcode::write, 0, 0, r.local_mem.size())});
   REQUIRE_MESSAGE(!w.ec, w.ec.message());

@@ -15,7 +15,9 @@ namespace {
 
 using json = nlohmann::json;
 
-int emulated_mappings() {
+// Mappings of emulated device memory in this process (transport_test.cpp
+// has its own: the two files form one translation unit in a unity build).
+int emulated_mapping_count() {
   std::ifstream maps("/proc/self/maps");
   int n = 0;
   for (std::string line; std::getline(maps, line);) {
@@ -81,7 +83,7 @@ TEST_CASE("shm device grant: round trip, and every field checked") {
 TEST_CASE("shm imported allocation: closed through its runtime when the last owner goes") {
   auto rt = kvlink::emulated_device::get();
   kvlink::device_buffer buf{rt, 0, 1 << 16};
-  const int before = emulated_mappings();
+  const int before = emulated_mapping_count();
   kvlink::exported_memory m;
   std::string what;
   REQUIRE(!rt->export_memory(buf.data(), m, what));
@@ -92,10 +94,10 @@ TEST_CASE("shm imported allocation: closed through its runtime when the last own
   {
     auto a = std::make_shared<kvlink::shm::imported_allocation>(rt, p, m.device, m.size);
     auto held = a;  // a lease and a copy in flight, say
-    CHECK(emulated_mappings() == before + 2);
+    CHECK(emulated_mapping_count() == before + 2);
     a.reset();
-    CHECK(emulated_mappings() == before + 2);
+    CHECK(emulated_mapping_count() == before + 2);
   }
-  CHECK(emulated_mappings() == before);
+  CHECK(emulated_mapping_count() == before);
   CHECK(rt->classify(p).memory.kind == kvlink::memory_kind::host);
 }

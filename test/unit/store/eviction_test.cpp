@@ -10,6 +10,8 @@
 #include <thread>
 #include <vector>
 
+#include "../../support/store_time.hpp"
+
 #include <doctest/doctest.h>
 
 using kvlink::segment_id;
@@ -19,7 +21,7 @@ using std::chrono::milliseconds;
 
 namespace {
 
-master_time at(std::int64_t ms) { return master_time{milliseconds{ms}}; }
+using kvlink_test::at;
 
 constexpr std::uint64_t unit = 4096;  // one object
 

@@ -9,6 +9,8 @@
 #include <string_view>
 #include <vector>
 
+#include "../../support/store_time.hpp"
+
 #include <doctest/doctest.h>
 
 using kvlink::segment_id;
@@ -18,7 +20,7 @@ using std::chrono::milliseconds;
 
 namespace {
 
-master_time at(std::int64_t ms) { return master_time{milliseconds{ms}}; }
+using kvlink_test::at;
 
 constexpr std::uint64_t kib = 1024;
 

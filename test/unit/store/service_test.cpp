@@ -8,6 +8,8 @@
 #include <string>
 #include <vector>
 
+#include "../../support/store_time.hpp"
+
 #include <doctest/doctest.h>
 
 using namespace std::chrono_literals;
@@ -18,7 +20,7 @@ namespace wire = kvlink::store::wire;
 
 namespace {
 
-store::master_time at(std::int64_t ms) { return store::master_time{std::chrono::milliseconds{ms}}; }
+using kvlink_test::at;
 
 struct answer {
   wire::frame_header header;

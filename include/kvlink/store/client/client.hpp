@@ -692,7 +692,8 @@ class client_state : public std::enable_shared_from_this<client_state> {
 
   asio::awaitable<std::error_code> mount_at_master(mount_rec& m) {
     wire::writer w(wire::message_type::mount, 0, false);
-    const std::string name = "engine-segment-" + std::to_string(m.engine_segment.value());
+    const std::string name =
+        std::string("engine-segment-").append(std::to_string(m.engine_segment.value()));
     wire::mount_request q{name, m.size, m.engine_segment.value()};
     q.encode(w);
     std::string body;
