@@ -84,6 +84,7 @@ constexpr std::uint64_t block_bytes =
     2359296;  // 16 tokens of Qwen3-8B: 36 layers x K,V x 8 x 128 x bf16
 constexpr unsigned block_layers = 36;
 constexpr std::uint64_t layer_bytes = block_bytes / block_layers;  // 65536
+constexpr int bw_rounds = 4;  // store and raw alternate this many times per bw row
 constexpr std::string_view key_prefix = "qwen3-8b@tp_rank:0@pp_rank:0@";
 
 struct options {
@@ -344,6 +345,18 @@ struct measurement {
   double master_cpu = 0, bench_cpu = 0, server_cpu = 0;
 
   double keys_per_s() const { return seconds > 0 ? static_cast<double>(keys) / seconds : 0; }
+  /// Adds another run of the same row (the bw rows alternate store and raw).
+  void add(const measurement& o) {
+    keys += o.keys;
+    calls += o.calls;
+    errors += o.errors;
+    if (first_error.empty()) first_error = o.first_error;
+    seconds += o.seconds;
+    latency_ns += o.latency_ns;
+    master_cpu += o.master_cpu;
+    bench_cpu += o.bench_cpu;
+    server_cpu += o.server_cpu;
+  }
   double us_per_call() const {
     return calls > 0 ? latency_ns / static_cast<double>(calls) / 1e3 : 0;
   }
@@ -394,7 +407,7 @@ struct slot {
 class bench {
  public:
   bench(const options& o, std::string transports, std::uint64_t buffer_bytes)
-      : o_(o), transports_(std::move(transports)) {
+      : transports_(std::move(transports)) {
     master_.emplace(o.master_bin,
                     std::vector<std::string>{"--listen", "127.0.0.1:0", "--threads",
                                              std::to_string(o.master_threads)},
@@ -451,8 +464,9 @@ class bench {
   const std::string& master_address() const { return master_address_; }
   const std::string& server_address() const { return server_address_; }
 
-  /// Runs `r` with its own op, or with `op` (the raw twin of a bw row).
-  measurement run(const row_spec& r, op_kind op) {
+  /// Runs `r` with its own op, or with `op` (the raw twin of a bw row),
+  /// for `seconds` after a warm-up.
+  measurement run(const row_spec& r, op_kind op, double seconds) {
     if (op == op_kind::get || op == op_kind::exists) ensure_objects(r.size, objects_for(r));
     std::vector<slot> slots(static_cast<std::size_t>(r.clients) * r.depth);
     for (unsigned c = 0; c < r.clients; ++c) {
@@ -469,7 +483,7 @@ class bench {
     for (auto& s : slots) {
       asio::post(io_, [this, &s, &n, &r, op] { issue(s, r, op, n); });
     }
-    const auto warmup = std::chrono::duration<double>(std::clamp(o_.seconds / 10, 0.05, 0.5));
+    const auto warmup = std::chrono::duration<double>(std::clamp(seconds / 10, 0.05, 0.5));
     std::this_thread::sleep_for(warmup);
     const auto snap = [&](measurement& m) {
       m.keys = n.keys.load();
@@ -483,7 +497,7 @@ class bench {
     measurement a, b;
     const auto t0 = clock_type::now();
     snap(a);
-    std::this_thread::sleep_for(std::chrono::duration<double>(o_.seconds));
+    std::this_thread::sleep_for(std::chrono::duration<double>(seconds));
     snap(b);
     const auto t1 = clock_type::now();
     stop_.store(true);
@@ -696,7 +710,6 @@ class bench {
     issue(s, r, op, n);
   }
 
-  const options& o_;
   std::string transports_;
   std::optional<child> master_;
   std::string master_address_;
@@ -766,9 +779,9 @@ void print_ops_header(const options& o, const bench& b, const std::string& trans
 void print_bw_header(const options& o) {
   fmt::print(
       "# kvlink_store_bench bw: 1 client, {} calls in flight; store = put/get through the "
-      "master, raw = the engine's WRITE/READ of the same requests between the same processes; "
-      "GB/s = 10^9 B/s, GiB/s = 2^30 B/s\n",
-      o.bw_depth);
+      "master, raw = the engine's WRITE/READ of the same requests between the same processes, "
+      "alternating in {} rounds of {} s each; GB/s = 10^9 B/s, GiB/s = 2^30 B/s\n",
+      o.bw_depth, bw_rounds, o.seconds / bw_rounds);
   fmt::print("{:<14} {:<4} {:>7} {:>5} {:>10} {:>10} {:>10} {:>10} {:>9} {:>9} {:>9}\n", "row",
              "op", "object", "batch", "store GB/s", "raw GB/s", "store/raw", "store GiB/s",
              "keys/s", "us/call", "master CPU us/key");
@@ -863,7 +876,7 @@ int main(int argc, char** argv) {
         if (!r.bandwidth) {
           if (!ops_header) print_ops_header(o, b, transport);
           ops_header = true;
-          const auto m = b.run(r, r.op);
+          const auto m = b.run(r, r.op, o.seconds);
           fmt::print(
               "{:<16} {:<6} {:>7} {:>7} {:>5} {:>5} {:>11.0f} {:>9.1f} {:>9.2f} {:>9.2f} "
               "{:>9.2f}{}\n",
@@ -887,8 +900,13 @@ int main(int argc, char** argv) {
           }
           bw_header = true;
           const op_kind raw_op = r.op == op_kind::put ? op_kind::write : op_kind::read;
-          const auto m = b.run(r, r.op);
-          const auto raw = b.run(r, raw_op);
+          // Store and raw alternate, so that a change of the machine's load
+          // falls on both alike.
+          measurement m, raw;
+          for (int round = 0; round < bw_rounds; ++round) {
+            m.add(b.run(r, r.op, o.seconds / bw_rounds));
+            raw.add(b.run(r, raw_op, o.seconds / bw_rounds));
+          }
           const double gbs = m.keys_per_s() * static_cast<double>(r.size) / 1e9;
           const double raw_gbs = raw.keys_per_s() * static_cast<double>(r.size) / 1e9;
           fmt::print(
