@@ -1,0 +1,950 @@
+// kvlink_store_bench: the store (include/kvlink/store/) end to end on one
+// host: a kvlink-master child process, a serving child process that mounts a
+// segment into the pool, and measuring store clients in this process.
+//
+//   kvlink_store_bench                              # every row, TCP, 2 s each
+//   kvlink_store_bench --rows put-c1,get-c4-b --seconds 1 --clients 8
+//   kvlink_store_bench --transports tcp,shm --json out.json
+//   kvlink_store_bench --list                       # the rows' names
+//
+// Two sections per transport:
+//  - ops: keys per second of 4 KiB put, get and exists from 1 client and from
+//    --clients clients, each keeping --depths calls of one key in flight, or
+//    one call of --batch keys. Puts write fresh keys (vLLM-like names:
+//    "qwen3-8b@tp_rank:0@pp_rank:0@<16 hex>"); gets and exists ask for keys
+//    put before the row. Beside the rate: the mean call latency and the CPU
+//    time per key of the master, of this process and of the serving process
+//    (utime + stime from /proc/<pid>/stat before and after the row). Rows
+//    "write"/"read" are the raw engine moving the same 4 KiB, for reference.
+//  - bw: GB/s of put and get of KV-sized objects, one 16-token Qwen3-8B block
+//    (2359296 B, one key per call) and its per-layer pieces (65536 B, the 36
+//    layers of a block in one batched call), --bw-depth calls in flight from
+//    one client, each against the raw engine WRITE/READ of the same requests
+//    between the same two processes (this process's engine and the serving
+//    process's, into a segment of its own), measured right after; store/raw is
+//    the ratio.
+//
+// Each client has its own engine; the engines share one io_context run by
+// --threads threads. The serving process is this program re-executed with the
+// hidden --serve role. Figures are steady state: the counts between a
+// snapshot taken after a warm-up and one taken --seconds later.
+//
+// Units: GB = 10^9 B, GiB = 2^30 B, KiB = 2^10 B, MiB = 2^20 B; us = 10^-6 s.
+#include <kvlink/engine.hpp>
+#include <kvlink/store/client/client.hpp>
+
+#include <algorithm>
+#include <atomic>
+#include <cerrno>
+#include <chrono>
+#include <csignal>
+#include <cstdint>
+#include <cstdio>
+#include <fstream>
+#include <future>
+#include <memory>
+#include <mutex>
+#include <optional>
+#include <sstream>
+#include <stdexcept>
+#include <string>
+#include <string_view>
+#include <system_error>
+#include <thread>
+#include <vector>
+
+#include "bench_common.hpp"
+#include <CLI/CLI.hpp>
+#include <asio/executor_work_guard.hpp>
+#include <asio/io_context.hpp>
+#include <asio/post.hpp>
+#include <asio/use_future.hpp>
+#include <fcntl.h>
+#include <fmt/format.h>
+#include <nlohmann/json.hpp>
+#include <poll.h>
+#include <sys/prctl.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#ifndef KVLINK_STORE_BENCH_MASTER
+#define KVLINK_STORE_BENCH_MASTER "kvlink-master"
+#endif
+
+namespace {
+
+using namespace std::chrono_literals;
+namespace kb = kvlink::bench;
+namespace store = kvlink::store;
+using clock_type = std::chrono::steady_clock;
+
+constexpr std::uint64_t kib = 1024;
+constexpr std::uint64_t mib = 1024 * kib;
+constexpr std::uint64_t block_bytes =
+    2359296;  // 16 tokens of Qwen3-8B: 36 layers x K,V x 8 x 128 x bf16
+constexpr unsigned block_layers = 36;
+constexpr std::uint64_t layer_bytes = block_bytes / block_layers;  // 65536
+constexpr int bw_rounds = 4;  // store and raw alternate this many times per bw row
+constexpr std::string_view key_prefix = "qwen3-8b@tp_rank:0@pp_rank:0@";
+
+struct options {
+  std::string master_bin = KVLINK_STORE_BENCH_MASTER;
+  double seconds = 2.0;
+  std::string rows;
+  unsigned clients = 4;
+  std::string depths = "1,16";
+  unsigned batch = 128;
+  unsigned bw_depth = 4;
+  std::string transports = "tcp";
+  unsigned threads = 2;
+  unsigned master_threads = 2;
+  unsigned server_threads = 1;
+  std::uint64_t pool = 1024 * mib;
+  std::uint64_t raw = 64 * mib;
+  std::string json;
+  bool list = false;
+  // The hidden serving role.
+  bool serve = false;
+  std::string master;
+};
+
+// ------------------------------------------------------------------ processes
+
+/// CPU seconds (utime + stime) of a process so far, from /proc/<pid>/stat;
+/// 0 when it cannot be read.
+double cpu_seconds(pid_t pid) {
+  std::ifstream in("/proc/" + std::to_string(pid) + "/stat");
+  std::string stat((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+  const auto paren = stat.rfind(')');
+  if (paren == std::string::npos) return 0;
+  std::istringstream fields(stat.substr(paren + 1));
+  std::string f;
+  unsigned long long utime = 0, stime = 0;
+  // After the command come fields 3 (state) .. ; utime is 14, stime 15.
+  for (int i = 3; i <= 15 && fields >> f; ++i) {
+    if (i == 14) utime = std::stoull(f);
+    if (i == 15) stime = std::stoull(f);
+  }
+  return static_cast<double>(utime + stime) / static_cast<double>(::sysconf(_SC_CLK_TCK));
+}
+
+/// A child process with pipes on its stdin and stdout whose first line says
+/// it is ready. Destruction closes its stdin, sends `stop_signal` (0: none)
+/// and reaps it (SIGKILL after 10 s). It dies with this process
+/// (PR_SET_PDEATHSIG).
+class child {
+ public:
+  child(const std::string& exe, std::vector<std::string> args, std::string_view ready,
+        int stop_signal)
+      : stop_signal_(stop_signal) {
+    std::signal(SIGPIPE, SIG_IGN);
+    int in[2], out[2];
+    if (::pipe2(in, O_CLOEXEC) != 0 || ::pipe2(out, O_CLOEXEC) != 0) {
+      throw std::system_error(errno, std::generic_category(), "pipe2");
+    }
+    args.insert(args.begin(), exe);
+    std::vector<char*> argv;
+    for (auto& a : args) argv.push_back(a.data());
+    argv.push_back(nullptr);
+    const pid_t parent = ::getpid();
+    pid_ = ::fork();
+    if (pid_ < 0) throw std::system_error(errno, std::generic_category(), "fork");
+    if (pid_ == 0) {
+      ::prctl(PR_SET_PDEATHSIG, SIGKILL);
+      if (::getppid() != parent) ::_exit(127);
+      ::dup2(in[0], STDIN_FILENO);
+      ::dup2(out[1], STDOUT_FILENO);
+      ::execv(argv[0], argv.data());
+      std::perror(argv[0]);
+      ::_exit(127);
+    }
+    ::close(in[0]);
+    ::close(out[1]);
+    to_ = in[1];
+    from_ = out[0];
+    // The first line, within 60 s.
+    std::string line;
+    const auto until = clock_type::now() + 60s;
+    for (;;) {
+      const auto nl = buffer_.find('\n');
+      if (nl != std::string::npos) {
+        line = buffer_.substr(0, nl);
+        break;
+      }
+      const auto left =
+          std::chrono::duration_cast<std::chrono::milliseconds>(until - clock_type::now());
+      pollfd p{from_, POLLIN, 0};
+      if (left <= 0ms || ::poll(&p, 1, static_cast<int>(left.count())) <= 0) break;
+      char chunk[512];
+      const auto n = ::read(from_, chunk, sizeof chunk);
+      if (n <= 0) break;
+      buffer_.append(chunk, static_cast<std::size_t>(n));
+    }
+    if (line.rfind(ready, 0) != 0) {
+      stop();
+      throw std::runtime_error(exe + " did not start (its first line: '" + line + "')");
+    }
+    rest_ = line.substr(ready.size());
+  }
+  ~child() { stop(); }
+  child(const child&) = delete;
+  child& operator=(const child&) = delete;
+
+  pid_t pid() const noexcept { return pid_; }
+  /// The first line after its `ready` prefix.
+  const std::string& rest() const noexcept { return rest_; }
+
+ private:
+  void stop() {
+    if (to_ >= 0) ::close(to_);
+    to_ = -1;
+    if (pid_ > 0) {
+      if (stop_signal_ != 0) ::kill(pid_, stop_signal_);
+      int status = 0;
+      const auto until = clock_type::now() + 10s;
+      while (::waitpid(pid_, &status, WNOHANG) == 0) {
+        if (clock_type::now() > until) {
+          ::kill(pid_, SIGKILL);
+          ::waitpid(pid_, &status, 0);
+          break;
+        }
+        std::this_thread::sleep_for(5ms);
+      }
+      pid_ = -1;
+    }
+    // The stdout pipe stays open until here: a child that prints later never
+    // gets SIGPIPE.
+    if (from_ >= 0) ::close(from_);
+    from_ = -1;
+  }
+
+  int stop_signal_ = 0;
+  pid_t pid_ = -1;
+  int to_ = -1;
+  int from_ = -1;
+  std::string buffer_;
+  std::string rest_;
+};
+
+// ------------------------------------------------------------------ the serving role
+
+/// --serve: mounts a pool segment of --pool bytes, registers a raw segment of
+/// --raw bytes for the engine reference, prints
+/// "SERVE <engine address> <raw segment id> <raw bytes>" and serves until its
+/// stdin closes.
+int serve(const options& o) {
+  kb::page_buffer pool(o.pool);
+  kb::page_buffer raw(o.raw);
+  asio::io_context io;
+  auto guard = asio::make_work_guard(io);
+  std::vector<std::thread> runners;
+  for (unsigned i = 0; i < std::max(1u, o.server_threads); ++i) {
+    runners.emplace_back([&io] { io.run(); });
+  }
+  int status = 0;
+  {
+    kvlink::engine eng{io.get_executor(),
+                       kvlink::config{.listen = "127.0.0.1:0", .transports = o.transports}};
+    const auto raw_id = eng.register_segment(raw.data(), raw.size());
+    store::client c{eng, {.master = o.master}};
+    try {
+      c.async_mount(pool.data(), pool.size(), asio::use_future).get();
+      std::printf("SERVE %s %llu %llu\n", eng.local_address().c_str(),
+                  static_cast<unsigned long long>(raw_id.value()),
+                  static_cast<unsigned long long>(raw.size()));
+      std::fflush(stdout);
+      char sink[256];
+      while (::read(STDIN_FILENO, sink, sizeof sink) > 0) {
+      }
+      c.async_close(asio::use_future).get();
+    } catch (const std::system_error& e) {
+      std::fprintf(stderr, "kvlink_store_bench --serve: %s\n", e.what());
+      std::printf("ERROR %s\n", e.what());
+      std::fflush(stdout);
+      status = 1;
+    }
+  }
+  guard.reset();
+  for (auto& t : runners) t.join();
+  return status;
+}
+
+// ------------------------------------------------------------------ rows
+
+enum class op_kind { put, get, exists, write, read };
+
+const char* name_of(op_kind op) {
+  switch (op) {
+    case op_kind::put:
+      return "put";
+    case op_kind::get:
+      return "get";
+    case op_kind::exists:
+      return "exists";
+    case op_kind::write:
+      return "write";
+    case op_kind::read:
+      return "read";
+  }
+  return "?";
+}
+
+struct row_spec {
+  std::string name;
+  bool bandwidth = false;  ///< section bw: measured beside its raw twin
+  op_kind op = op_kind::put;
+  std::uint64_t size = 4 * kib;
+  unsigned clients = 1;
+  unsigned depth = 1;
+  unsigned batch = 1;
+};
+
+std::vector<row_spec> all_rows(const options& o, const std::vector<unsigned>& depths) {
+  std::vector<row_spec> rows;
+  std::vector<unsigned> clients{1};
+  if (o.clients > 1) clients.push_back(o.clients);
+  for (const op_kind op : {op_kind::put, op_kind::get, op_kind::exists}) {
+    for (const unsigned c : clients) {
+      for (const unsigned d : depths) {
+        rows.push_back({fmt::format("{}-c{}-d{}", name_of(op), c, d), false, op, 4 * kib, c, d, 1});
+      }
+      rows.push_back(
+          {fmt::format("{}-c{}-b{}", name_of(op), c, o.batch), false, op, 4 * kib, c, 1, o.batch});
+    }
+  }
+  // The raw engine on the same 4 KiB, at both ends of the one-at-a-time range.
+  const unsigned deepest = *std::max_element(depths.begin(), depths.end());
+  for (const op_kind op : {op_kind::write, op_kind::read}) {
+    rows.push_back({fmt::format("{}-c1-d1", name_of(op)), false, op, 4 * kib, 1, 1, 1});
+    rows.push_back({fmt::format("{}-c{}-d{}", name_of(op), clients.back(), deepest), false, op,
+                    4 * kib, clients.back(), deepest, 1});
+  }
+  for (const bool layer : {false, true}) {
+    for (const op_kind op : {op_kind::put, op_kind::get}) {
+      rows.push_back({fmt::format("bw-{}-{}", name_of(op), layer ? "layer" : "block"), true, op,
+                      layer ? layer_bytes : block_bytes, 1, o.bw_depth, layer ? block_layers : 1});
+    }
+  }
+  return rows;
+}
+
+bool selected(const row_spec& r, const std::vector<std::string_view>& patterns) {
+  if (patterns.empty()) return true;
+  return std::any_of(patterns.begin(), patterns.end(),
+                     [&](std::string_view p) { return r.name.rfind(p, 0) == 0; });
+}
+
+/// What one measurement of a row found.
+struct measurement {
+  std::uint64_t keys = 0;    ///< keys that succeeded
+  std::uint64_t calls = 0;   ///< calls that completed
+  std::uint64_t errors = 0;  ///< keys that failed
+  std::string first_error;
+  double seconds = 0;
+  double latency_ns = 0;  ///< summed over the calls
+  double master_cpu = 0, bench_cpu = 0, server_cpu = 0;
+
+  double keys_per_s() const { return seconds > 0 ? static_cast<double>(keys) / seconds : 0; }
+  /// Adds another run of the same row (the bw rows alternate store and raw).
+  void add(const measurement& o) {
+    keys += o.keys;
+    calls += o.calls;
+    errors += o.errors;
+    if (first_error.empty()) first_error = o.first_error;
+    seconds += o.seconds;
+    latency_ns += o.latency_ns;
+    master_cpu += o.master_cpu;
+    bench_cpu += o.bench_cpu;
+    server_cpu += o.server_cpu;
+  }
+  double us_per_call() const {
+    return calls > 0 ? latency_ns / static_cast<double>(calls) / 1e3 : 0;
+  }
+  double cpu_us_per_key(double cpu) const {
+    return keys > 0 ? cpu / static_cast<double>(keys) * 1e6 : 0;
+  }
+};
+
+// ------------------------------------------------------------------ the measuring side
+
+/// One measuring client: its engine, its store client, its registered buffer
+/// and its engine's peer handle on the serving process.
+struct bench_client {
+  bench_client(asio::io_context& io, const std::string& transports, const std::string& master,
+               std::uint64_t buffer_bytes)
+      : eng(io.get_executor(), kvlink::config{.listen = "127.0.0.1:0", .transports = transports}),
+        client(eng, {.master = master}),
+        buffer(buffer_bytes) {
+    eng.register_segment(buffer.data(), buffer.size());
+  }
+  kvlink::engine eng;
+  store::client client;
+  kb::page_buffer buffer;
+  kvlink::remote_segment raw{};
+};
+
+struct counters {
+  std::atomic<std::uint64_t> keys{0}, calls{0}, errors{0}, latency_ns{0};
+};
+
+/// A call slot: one call in flight at a time, reissued on completion until
+/// the row stops.
+struct slot {
+  bench_client* c = nullptr;
+  std::byte* region = nullptr;  ///< batch * size bytes of c's buffer
+  std::uint64_t cursor = 0;     ///< the next existing key this slot reads
+  std::uint64_t stride = 1;
+  std::vector<std::string> names;
+  std::vector<std::string_view> keys;
+  std::vector<const void*> data;
+  std::vector<void*> buffers;
+  std::vector<std::uint64_t> sizes, capacities, got;
+  std::vector<std::error_code> results;
+  std::vector<kvlink::transfer_request> requests;
+  clock_type::time_point start;
+};
+
+class bench {
+ public:
+  bench(const options& o, std::string transports, std::uint64_t buffer_bytes)
+      : transports_(std::move(transports)) {
+    master_.emplace(o.master_bin,
+                    std::vector<std::string>{"--listen", "127.0.0.1:0", "--threads",
+                                             std::to_string(o.master_threads)},
+                    "kvlink-master: listening on ", SIGTERM);
+    master_address_ = master_->rest().substr(0, master_->rest().find(' '));
+    server_.emplace("/proc/self/exe",
+                    std::vector<std::string>{"--serve", "--master", master_address_, "--transports",
+                                             transports_, "--pool", std::to_string(o.pool), "--raw",
+                                             std::to_string(o.raw), "--server-threads",
+                                             std::to_string(o.server_threads)},
+                    "SERVE ", 0);
+    std::istringstream s(server_->rest());
+    std::uint64_t raw_id = 0;
+    s >> server_address_ >> raw_id >> raw_bytes_;
+    if (server_address_.empty() || raw_id == 0 || raw_bytes_ == 0) {
+      throw std::runtime_error("the serving process said '" + server_->rest() + "'");
+    }
+    for (unsigned i = 0; i < std::max(1u, o.threads); ++i) {
+      runners_.emplace_back([this] { io_.run(); });
+    }
+    try {
+      for (unsigned i = 0; i < std::max(1u, o.clients); ++i) {
+        auto c = std::make_unique<bench_client>(io_, transports_, master_address_, buffer_bytes);
+        c->client.async_connect(asio::use_future).get();
+        auto p = c->eng.async_connect(server_address_, asio::use_future).get();
+        c->raw = p.segment(kvlink::segment_id{raw_id});
+        clients_.push_back(std::move(c));
+      }
+    } catch (...) {
+      shut_down();  // the destructor does not run for a constructor that throws
+      throw;
+    }
+  }
+
+  ~bench() { shut_down(); }
+
+  bench(const bench&) = delete;
+  bench& operator=(const bench&) = delete;
+
+  void shut_down() {
+    for (auto& c : clients_) {
+      try {
+        c->client.async_close(asio::use_future).get();
+      } catch (const std::system_error&) {
+      }
+    }
+    clients_.clear();
+    guard_.reset();
+    for (auto& t : runners_) {
+      if (t.joinable()) t.join();
+    }
+  }
+
+  const std::string& master_address() const { return master_address_; }
+  const std::string& server_address() const { return server_address_; }
+
+  /// Runs `r` with its own op, or with `op` (the raw twin of a bw row),
+  /// for `seconds` after a warm-up.
+  measurement run(const row_spec& r, op_kind op, double seconds) {
+    if (op == op_kind::get || op == op_kind::exists) ensure_objects(r.size, objects_for(r));
+    std::vector<slot> slots(static_cast<std::size_t>(r.clients) * r.depth);
+    for (unsigned c = 0; c < r.clients; ++c) {
+      for (unsigned d = 0; d < r.depth; ++d) {
+        auto& s = slots[c * r.depth + d];
+        s.c = clients_[c].get();
+        s.region = s.c->buffer.data() + static_cast<std::uint64_t>(d) * r.batch * r.size;
+        prepare(s, r, op, c * r.depth + d, slots.size());
+      }
+    }
+    counters n;
+    stop_.store(false);
+    inflight_.store(slots.size());
+    for (auto& s : slots) {
+      asio::post(io_, [this, &s, &n, &r, op] { issue(s, r, op, n); });
+    }
+    const auto warmup = std::chrono::duration<double>(std::clamp(seconds / 10, 0.05, 0.5));
+    std::this_thread::sleep_for(warmup);
+    const auto snap = [&](measurement& m) {
+      m.keys = n.keys.load();
+      m.calls = n.calls.load();
+      m.errors = n.errors.load();
+      m.latency_ns = static_cast<double>(n.latency_ns.load());
+      m.master_cpu = cpu_seconds(master_->pid());
+      m.bench_cpu = cpu_seconds(::getpid());
+      m.server_cpu = cpu_seconds(server_->pid());
+    };
+    measurement a, b;
+    const auto t0 = clock_type::now();
+    snap(a);
+    std::this_thread::sleep_for(std::chrono::duration<double>(seconds));
+    snap(b);
+    const auto t1 = clock_type::now();
+    stop_.store(true);
+    const auto until = clock_type::now() + 60s;
+    while (inflight_.load() != 0) {
+      if (clock_type::now() > until) throw std::runtime_error(r.name + ": calls never completed");
+      std::this_thread::sleep_for(1ms);
+    }
+    measurement m;
+    m.keys = b.keys - a.keys;
+    m.calls = b.calls - a.calls;
+    m.errors = b.errors - a.errors;
+    m.latency_ns = b.latency_ns - a.latency_ns;
+    m.master_cpu = b.master_cpu - a.master_cpu;
+    m.bench_cpu = b.bench_cpu - a.bench_cpu;
+    m.server_cpu = b.server_cpu - a.server_cpu;
+    m.seconds = std::chrono::duration<double>(t1 - t0).count();
+    {
+      std::lock_guard lock(error_mutex_);
+      m.first_error = std::move(first_error_);
+      first_error_.clear();
+    }
+    // Puts fill the pool: empty it so that every row starts alike.
+    if (op == op_kind::put) clear();
+    return m;
+  }
+
+ private:
+  // Gets and exists read keys put before the row: enough that no two slots
+  // read the same key at once.
+  static std::uint64_t objects_for(const row_spec& r) {
+    const std::uint64_t want = std::uint64_t{r.clients} * r.depth * r.batch * 4;
+    const std::uint64_t cap = r.size >= mib ? 64 : r.size >= 64 * kib ? 16 * block_layers : 8192;
+    return std::max(want, std::min<std::uint64_t>(cap, 8192));
+  }
+
+  static std::string make_key(std::uint64_t n) {
+    // splitmix64: the hex part looks like a block hash.
+    std::uint64_t z = n + 0x9e3779b97f4a7c15ULL;
+    z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ULL;
+    z = (z ^ (z >> 27)) * 0x94d049bb133111ebULL;
+    z ^= z >> 31;
+    return fmt::format("{}{:016x}", key_prefix, z);
+  }
+
+  void clear() {
+    clients_[0]->client.async_remove_all(true, asio::use_future).get();
+    objects_size_ = 0;
+    objects_.clear();
+  }
+
+  /// Puts `count` objects of `size` bytes (a pattern, checked once by a get).
+  void ensure_objects(std::uint64_t size, std::uint64_t count) {
+    if (objects_size_ == size && objects_.size() >= count) return;
+    clear();
+    auto& c = *clients_[0];
+    const std::uint64_t per_call =
+        std::max<std::uint64_t>(1, std::min<std::uint64_t>(128, c.buffer.size() / size));
+    for (std::uint64_t i = 0; i < per_call * size; ++i) {
+      c.buffer.data()[i] = static_cast<std::byte>(i * 131 + 7);
+    }
+    std::vector<std::string> names;
+    for (std::uint64_t done = 0; done < count;) {
+      const std::uint64_t n = std::min(per_call, count - done);
+      names.clear();
+      for (std::uint64_t i = 0; i < n; ++i) names.push_back(make_key(next_key_++));
+      std::vector<std::string_view> keys(names.begin(), names.end());
+      std::vector<const void*> data(n);
+      for (std::uint64_t i = 0; i < n; ++i) data[i] = c.buffer.data() + i * size;
+      std::vector<std::uint64_t> sizes(n, size);
+      std::vector<std::error_code> results(n);
+      c.client.async_put_batch(keys, data, sizes, results, {}, {}, asio::use_future).get();
+      for (const auto& ec : results) {
+        if (ec) throw std::system_error(ec, "putting the objects gets read");
+      }
+      objects_.insert(objects_.end(), names.begin(), names.end());
+      done += n;
+    }
+    objects_size_ = size;
+    // The bytes of one object, read back.
+    std::vector<std::byte> expect(c.buffer.data() + (count - 1) % per_call * size,
+                                  c.buffer.data() + ((count - 1) % per_call + 1) * size);
+    std::fill_n(c.buffer.data(), size, std::byte{0});
+    const auto got =
+        c.client.async_get(objects_.back(), c.buffer.data(), size, asio::use_future).get();
+    if (got != size || !std::equal(expect.begin(), expect.end(), c.buffer.data())) {
+      throw std::runtime_error("a get did not return the bytes put");
+    }
+  }
+
+  void prepare(slot& s, const row_spec& r, op_kind op, std::size_t index, std::size_t slots) {
+    const std::size_t b = r.batch;
+    s.names.resize(b);
+    s.keys.resize(b);
+    s.data.assign(b, nullptr);
+    s.buffers.assign(b, nullptr);
+    s.sizes.assign(b, r.size);
+    s.capacities.assign(b, r.size);
+    s.got.assign(b, 0);
+    s.results.assign(b, {});
+    for (std::size_t j = 0; j < b; ++j) {
+      s.data[j] = s.region + j * r.size;
+      s.buffers[j] = s.region + j * r.size;
+    }
+    // Existing keys: slot i reads batches i, i + slots, ... of the list.
+    s.cursor = index * b;
+    s.stride = slots * b;
+    if (op == op_kind::write || op == op_kind::read) {
+      const std::uint64_t per = raw_bytes_ / r.size;
+      for (std::size_t j = 0; j < b; ++j) {
+        const std::uint64_t at = (index * b + j) % per * r.size;
+        s.requests.push_back(kvlink::transfer_request{
+            op == op_kind::write ? kvlink::opcode::write : kvlink::opcode::read,
+            s.region + j * r.size, s.c->raw, at, r.size});
+      }
+    }
+  }
+
+  void next_existing(slot& s) {
+    const std::size_t b = s.names.size();
+    for (std::size_t j = 0; j < b; ++j) {
+      s.keys[j] = objects_[(s.cursor + j) % objects_.size()];
+    }
+    s.cursor = (s.cursor + s.stride) % objects_.size();
+  }
+
+  void issue(slot& s, const row_spec& r, op_kind op, counters& n) {
+    if (stop_.load(std::memory_order_relaxed)) {
+      inflight_.fetch_sub(1);
+      return;
+    }
+    s.start = clock_type::now();
+    const bool one = r.batch == 1;
+    auto done = [this, &s, &r, op, &n](std::error_code ec) { complete(s, r, op, n, ec); };
+    switch (op) {
+      case op_kind::put: {
+        const auto first = next_key_.fetch_add(s.names.size(), std::memory_order_relaxed);
+        for (std::size_t j = 0; j < s.names.size(); ++j) s.names[j] = make_key(first + j);
+        for (std::size_t j = 0; j < s.names.size(); ++j) s.keys[j] = s.names[j];
+        if (one) {
+          s.c->client.async_put(s.keys[0], s.data[0], r.size, {}, {}, done);
+        } else {
+          s.c->client.async_put_batch(s.keys, s.data, s.sizes, s.results, {}, {}, done);
+        }
+        break;
+      }
+      case op_kind::get:
+        next_existing(s);
+        if (one) {
+          s.c->client.async_get(s.keys[0], s.buffers[0], r.size,
+                                [this, &s, &r, op, &n](std::error_code ec, std::uint64_t size) {
+                                  if (!ec && size != r.size) {
+                                    ec =
+                                        kvlink::make_error_code(kvlink::store_errc::internal_error);
+                                  }
+                                  complete(s, r, op, n, ec);
+                                });
+        } else {
+          s.c->client.async_get_batch(s.keys, s.buffers, s.capacities, s.got, s.results, done);
+        }
+        break;
+      case op_kind::exists:
+        next_existing(s);
+        if (one) {
+          s.c->client.async_exists(s.keys[0], [done](std::error_code ec, bool yes) mutable {
+            done(ec    ? ec
+                 : yes ? std::error_code{}
+                       : kvlink::make_error_code(kvlink::store_errc::object_not_found));
+          });
+        } else {
+          s.c->client.async_exists_batch(s.keys, s.results, done);
+        }
+        break;
+      case op_kind::write:
+      case op_kind::read:
+        s.c->eng.async_submit_transfer(
+            s.requests, [done](std::error_code ec, kvlink::transfer_result) mutable { done(ec); });
+        break;
+    }
+  }
+
+  // `ec`: the call's error; a batch's keys have theirs in s.results.
+  void complete(slot& s, const row_spec& r, op_kind op, counters& n, std::error_code ec) {
+    const auto ns =
+        std::chrono::duration_cast<std::chrono::nanoseconds>(clock_type::now() - s.start);
+    std::uint64_t bad = 0;
+    std::error_code first = ec;
+    const bool per_key = r.batch > 1 && op != op_kind::write && op != op_kind::read;
+    if (ec) {
+      bad = r.batch;
+    } else if (per_key) {
+      for (std::size_t j = 0; j < s.results.size(); ++j) {
+        if (!s.results[j] && op == op_kind::get && s.got[j] != r.size) {
+          s.results[j] = kvlink::make_error_code(kvlink::store_errc::internal_error);
+        }
+        if (s.results[j]) {
+          ++bad;
+          if (!first) first = s.results[j];
+        }
+      }
+    }
+    n.keys.fetch_add(r.batch - bad, std::memory_order_relaxed);
+    n.errors.fetch_add(bad, std::memory_order_relaxed);
+    n.calls.fetch_add(1, std::memory_order_relaxed);
+    n.latency_ns.fetch_add(static_cast<std::uint64_t>(ns.count()), std::memory_order_relaxed);
+    if (first) {
+      std::lock_guard lock(error_mutex_);
+      if (first_error_.empty()) first_error_ = first.message();
+    }
+    issue(s, r, op, n);
+  }
+
+  std::string transports_;
+  std::optional<child> master_;
+  std::string master_address_;
+  std::optional<child> server_;
+  std::string server_address_;
+  std::uint64_t raw_bytes_ = 0;
+  asio::io_context io_;
+  asio::executor_work_guard<asio::io_context::executor_type> guard_ = asio::make_work_guard(io_);
+  std::vector<std::thread> runners_;
+  std::vector<std::unique_ptr<bench_client>> clients_;
+  std::atomic<bool> stop_{false};
+  std::atomic<std::size_t> inflight_{0};
+  std::atomic<std::uint64_t> next_key_{0};
+  std::uint64_t objects_size_ = 0;
+  std::vector<std::string> objects_;
+  std::mutex error_mutex_;
+  std::string first_error_;
+};
+
+// ------------------------------------------------------------------ output
+
+std::string object_label(std::uint64_t size) {
+  if (size == block_bytes) return "2.25MiB";
+  if (size % mib == 0) return fmt::format("{}MiB", size / mib);
+  if (size % kib == 0) return fmt::format("{}KiB", size / kib);
+  return fmt::format("{}B", size);
+}
+
+nlohmann::json to_json(const measurement& m, std::uint64_t size) {
+  return {{"keys_per_s", m.keys_per_s()},
+          {"gb_per_s", m.keys_per_s() * static_cast<double>(size) / 1e9},
+          {"keys", m.keys},
+          {"calls", m.calls},
+          {"errors", m.errors},
+          {"first_error", m.first_error},
+          {"seconds", m.seconds},
+          {"us_per_call", m.us_per_call()},
+          {"master_cpu_us_per_key", m.cpu_us_per_key(m.master_cpu)},
+          {"bench_cpu_us_per_key", m.cpu_us_per_key(m.bench_cpu)},
+          {"server_cpu_us_per_key", m.cpu_us_per_key(m.server_cpu)}};
+}
+
+std::string error_note(const measurement& m) {
+  if (m.errors == 0) return {};
+  return fmt::format("  ({} errors: {})", m.errors, m.first_error);
+}
+
+// Prints the ops table's header once per transport.
+void print_ops_header(const options& o, const bench& b, const std::string& transport) {
+  fmt::print(
+      "# kvlink_store_bench ops: transport {}, master {} ({} threads), serving process {} "
+      "({} thread{}), {} bench thread{}, {} hardware threads\n",
+      transport, b.master_address(), o.master_threads, b.server_address(), o.server_threads,
+      o.server_threads == 1 ? "" : "s", o.threads, o.threads == 1 ? "" : "s",
+      std::thread::hardware_concurrency());
+  fmt::print(
+      "# keys/s over {} s after a warm-up; us/call = mean call latency; CPU us/key = "
+      "utime+stime per key of the master, this process (the clients), the serving process\n",
+      o.seconds);
+  fmt::print("{:<16} {:<6} {:>7} {:>7} {:>5} {:>5} {:>11} {:>9} {:>9} {:>9} {:>9}\n", "row", "op",
+             "object", "clients", "depth", "batch", "keys/s", "us/call", "master", "bench",
+             "server");
+  fmt::print("{:<16} {:<6} {:>7} {:>7} {:>5} {:>5} {:>11} {:>9} {:>9} {:>9} {:>9}\n", "", "", "",
+             "", "", "", "", "", "CPU us/key", "CPU us/key", "CPU us/key");
+}
+
+void print_bw_header(const options& o) {
+  fmt::print(
+      "# kvlink_store_bench bw: 1 client, {} calls in flight; store = put/get through the "
+      "master, raw = the engine's WRITE/READ of the same requests between the same processes, "
+      "alternating in {} rounds of {} s each; GB/s = 10^9 B/s, GiB/s = 2^30 B/s\n",
+      o.bw_depth, bw_rounds, o.seconds / bw_rounds);
+  fmt::print("{:<14} {:<4} {:>7} {:>5} {:>10} {:>10} {:>10} {:>10} {:>9} {:>9} {:>9}\n", "row",
+             "op", "object", "batch", "store GB/s", "raw GB/s", "store/raw", "store GiB/s",
+             "keys/s", "us/call", "master CPU us/key");
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  options o;
+  CLI::App app{
+      "kvlink_store_bench: the store's put/get/exists rates and KV-object bandwidth on loopback "
+      "(a kvlink-master child, a serving child, clients in this process)"};
+  app.add_option("--master-bin", o.master_bin, "the kvlink-master program")->capture_default_str();
+  app.add_option("--seconds", o.seconds, "measured seconds per row")->capture_default_str();
+  app.add_option("--rows", o.rows, "rows to run: comma-separated name prefixes (--list)");
+  app.add_option("--clients", o.clients, "clients of the many-client rows (each its own engine)")
+      ->capture_default_str();
+  app.add_option("--depths", o.depths, "calls in flight per client, one-at-a-time rows")
+      ->capture_default_str();
+  app.add_option("--batch", o.batch, "keys per call of the batched rows")->capture_default_str();
+  app.add_option("--bw-depth", o.bw_depth, "calls in flight of the bandwidth rows")
+      ->capture_default_str();
+  app.add_option("--transports", o.transports,
+                 "engine transports, comma-separated: one table each (tcp, shm)")
+      ->capture_default_str();
+  app.add_option("--threads", o.threads, "threads running the clients' engines")
+      ->capture_default_str();
+  app.add_option("--master-threads", o.master_threads, "the master's I/O threads")
+      ->capture_default_str();
+  app.add_option("--server-threads", o.server_threads, "the serving process's engine threads")
+      ->capture_default_str();
+  app.add_option("--pool", o.pool, "bytes the serving process mounts")->capture_default_str();
+  app.add_option("--raw", o.raw, "bytes of the serving process's raw-engine segment")
+      ->capture_default_str();
+  app.add_option("--json", o.json, "also write the results to this file");
+  app.add_flag("--list", o.list, "print the rows' names and exit");
+  app.add_flag("--serve", o.serve)->group("");
+  app.add_option("--master", o.master)->group("");
+  CLI11_PARSE(app, argc, argv);
+
+  if (o.serve) return serve(o);
+
+  std::vector<unsigned> depths;
+  for (const auto d : kb::split_list(o.depths))
+    depths.push_back(static_cast<unsigned>(std::stoul(std::string(d))));
+  if (depths.empty() || o.seconds <= 0 || o.batch == 0 || o.bw_depth == 0 || o.clients == 0) {
+    std::fprintf(stderr,
+                 "kvlink_store_bench: --depths, --seconds, --batch, --bw-depth and "
+                 "--clients must be positive\n");
+    return 2;
+  }
+  const auto patterns = kb::split_list(o.rows);
+  std::vector<row_spec> rows;
+  for (auto& r : all_rows(o, depths)) {
+    if (selected(r, patterns)) rows.push_back(std::move(r));
+  }
+  if (o.list) {
+    for (const auto& r : all_rows(o, depths)) fmt::print("{}\n", r.name);
+    return 0;
+  }
+  if (rows.empty()) {
+    std::fprintf(stderr, "kvlink_store_bench: no row matches --rows %s (see --list)\n",
+                 o.rows.c_str());
+    return 2;
+  }
+  std::uint64_t buffer_bytes = 4 * mib;
+  for (const auto& r : rows) {
+    buffer_bytes = std::max(buffer_bytes, std::uint64_t{r.depth} * r.batch * r.size);
+  }
+
+  nlohmann::json out{{"units", "GB = 10^9 B, GiB = 2^30 B; CPU in us per key"},
+                     {"hardware_threads", std::thread::hardware_concurrency()},
+                     {"options",
+                      {{"seconds", o.seconds},
+                       {"clients", o.clients},
+                       {"depths", o.depths},
+                       {"batch", o.batch},
+                       {"bw_depth", o.bw_depth},
+                       {"threads", o.threads},
+                       {"master_threads", o.master_threads},
+                       {"server_threads", o.server_threads}}},
+                     {"tables", nlohmann::json::array()}};
+  int status = 0;
+  try {
+    for (const auto t : kb::split_list(o.transports)) {
+      const std::string transport(t);
+      bench b(o, transport, buffer_bytes);
+      nlohmann::json table{{"transport", transport}, {"rows", nlohmann::json::array()}};
+      bool ops_header = false, bw_header = false;
+      for (const auto& r : rows) {
+        std::fprintf(stderr, "%s %s ...\n", transport.c_str(), r.name.c_str());
+        if (!r.bandwidth) {
+          if (!ops_header) print_ops_header(o, b, transport);
+          ops_header = true;
+          const auto m = b.run(r, r.op, o.seconds);
+          fmt::print(
+              "{:<16} {:<6} {:>7} {:>7} {:>5} {:>5} {:>11.0f} {:>9.1f} {:>9.2f} {:>9.2f} "
+              "{:>9.2f}{}\n",
+              r.name, name_of(r.op), object_label(r.size), r.clients, r.depth, r.batch,
+              m.keys_per_s(), m.us_per_call(), m.cpu_us_per_key(m.master_cpu),
+              m.cpu_us_per_key(m.bench_cpu), m.cpu_us_per_key(m.server_cpu), error_note(m));
+          auto j = to_json(m, r.size);
+          j.update({{"row", r.name},
+                    {"section", "ops"},
+                    {"op", name_of(r.op)},
+                    {"size", r.size},
+                    {"clients", r.clients},
+                    {"depth", r.depth},
+                    {"batch", r.batch}});
+          table["rows"].push_back(std::move(j));
+          if (m.errors != 0 || m.keys == 0) status = 1;
+        } else {
+          if (!bw_header) {
+            if (ops_header) fmt::print("\n");
+            print_bw_header(o);
+          }
+          bw_header = true;
+          const op_kind raw_op = r.op == op_kind::put ? op_kind::write : op_kind::read;
+          // Store and raw alternate, so that a change of the machine's load
+          // falls on both alike.
+          measurement m, raw;
+          for (int round = 0; round < bw_rounds; ++round) {
+            m.add(b.run(r, r.op, o.seconds / bw_rounds));
+            raw.add(b.run(r, raw_op, o.seconds / bw_rounds));
+          }
+          const double gbs = m.keys_per_s() * static_cast<double>(r.size) / 1e9;
+          const double raw_gbs = raw.keys_per_s() * static_cast<double>(r.size) / 1e9;
+          fmt::print(
+              "{:<14} {:<4} {:>7} {:>5} {:>10.2f} {:>10.2f} {:>10.2f} {:>10.2f} {:>9.0f} "
+              "{:>9.1f} {:>9.2f}{}{}\n",
+              r.name, name_of(r.op), object_label(r.size), r.batch, gbs, raw_gbs,
+              raw_gbs > 0 ? gbs / raw_gbs : 0.0, gbs * 1e9 / (1024.0 * 1024 * 1024), m.keys_per_s(),
+              m.us_per_call(), m.cpu_us_per_key(m.master_cpu), error_note(m),
+              raw.errors != 0 ? " raw:" + error_note(raw) : "");
+          auto j = to_json(m, r.size);
+          j.update({{"row", r.name},
+                    {"section", "bw"},
+                    {"op", name_of(r.op)},
+                    {"size", r.size},
+                    {"clients", r.clients},
+                    {"depth", r.depth},
+                    {"batch", r.batch},
+                    {"raw", to_json(raw, r.size)},
+                    {"store_over_raw", raw_gbs > 0 ? gbs / raw_gbs : 0.0}});
+          table["rows"].push_back(std::move(j));
+          if (m.errors != 0 || raw.errors != 0 || m.keys == 0) status = 1;
+        }
+        std::fflush(stdout);
+      }
+      fmt::print("\n");
+      out["tables"].push_back(std::move(table));
+    }
+  } catch (const std::exception& e) {
+    std::fprintf(stderr, "kvlink_store_bench: %s\n", e.what());
+    return 1;
+  }
+  if (!o.json.empty()) {
+    std::ofstream f(o.json);
+    f << out.dump(2) << "\n";
+    if (!f) {
+      std::fprintf(stderr, "kvlink_store_bench: cannot write %s\n", o.json.c_str());
+      return 1;
+    }
+  }
+  return status;
+}
