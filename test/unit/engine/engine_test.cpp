@@ -63,8 +63,9 @@ struct pair_rig {
   kvlink::segment_id remote_seg;
   kvlink::peer peer;
 
-  explicit pair_rig(std::size_t size = 1 << 20, kvlink::access acc = kvlink::access::remote_read_write,
-               kvlink::config tcfg = test_config(), kvlink::config icfg = test_config())
+  explicit pair_rig(std::size_t size = 1 << 20,
+                    kvlink::access acc = kvlink::access::remote_read_write,
+                    kvlink::config tcfg = test_config(), kvlink::config icfg = test_config())
       : target(std::in_place, io.get_executor(), tcfg),
         initiator(io.get_executor(), icfg),
         remote_mem(size),
@@ -83,7 +84,7 @@ struct pair_rig {
   }
 
   run_outcome run(const std::vector<kvlink::transfer_request>& reqs,
-              kvlink::transfer_options opts = {}) {
+                  kvlink::transfer_options opts = {}) {
     std::optional<run_outcome> out;
     initiator.async_submit_transfer(reqs, opts, [&](std::error_code ec, kvlink::transfer_result r) {
       out = run_outcome{ec, r};
@@ -1134,7 +1135,7 @@ void run_co(asio::io_context& io, F f) {
 
 TEST_CASE("authentication between engines: the same secret works, any other is refused") {
   pair_rig ok{1 << 20, kvlink::access::remote_read_write, secret_config("s3cret"),
-         secret_config("s3cret")};
+              secret_config("s3cret")};
   fill(ok.local_mem, 91);
   auto w = ok.run({ok.req(opcode::write, 0, 0, ok.local_mem.size())});  // over bound lanes
   REQUIRE_MESSAGE(!w.ec, w.ec.message());

@@ -11,7 +11,6 @@
 #include <vector>
 
 #include "../../support/store_time.hpp"
-
 #include <doctest/doctest.h>
 
 using kvlink::segment_id;

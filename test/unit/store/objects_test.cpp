@@ -10,7 +10,6 @@
 #include <vector>
 
 #include "../../support/store_time.hpp"
-
 #include <doctest/doctest.h>
 
 using kvlink::segment_id;

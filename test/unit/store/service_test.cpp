@@ -9,7 +9,6 @@
 #include <vector>
 
 #include "../../support/store_time.hpp"
-
 #include <doctest/doctest.h>
 
 using namespace std::chrono_literals;
