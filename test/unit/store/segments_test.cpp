@@ -76,3 +76,17 @@ TEST_CASE("segment_table: the same seed places the same way") {
   CHECK(run(7) != run(8));
   CHECK_THROWS_AS(segment_table(3), std::invalid_argument);
 }
+
+TEST_CASE(
+    "segment_table: a size beyond 1 PiB, or one that would wrap the pool's total, is refused") {
+  segment_table t{64};
+  segment_id a, b;
+  REQUIRE_FALSE(t.mount({1, "small", 1u << 16, ""}, a));
+  // Near 2^64 (the fuzzer's input): it would have wrapped the capacity around.
+  CHECK(t.mount({1, "huge", ~std::uint64_t{0} - 247, ""}, b) == store_errc::invalid_params);
+  CHECK(t.mount({1, "big", segment_table::max_segment_size + 1, ""}, b) ==
+        store_errc::invalid_params);
+  CHECK(t.capacity() == (1u << 16));
+  REQUIRE_FALSE(t.mount({1, "pib", segment_table::max_segment_size, ""}, b));
+  CHECK(t.capacity() == (1u << 16) + segment_table::max_segment_size);
+}

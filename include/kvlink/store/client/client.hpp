@@ -158,10 +158,12 @@ class client_state : public std::enable_shared_from_this<client_state> {
     if (closed_) co_return make_error_code(errc::cancelled);
     if (socket_ && connected_) co_return std::error_code{};
     if (connecting_) {
+      // Named, not a temporary of the co_await expression: g++ 12 destroys
+      // some of those too early (see control::use_nothrow).
+      auto wait = [this](auto h) { connect_waiters_.emplace_back(std::move(h), strand_); };
       auto [ec] =
           co_await asio::async_initiate<decltype(control::use_nothrow), void(std::error_code)>(
-              [this](auto h) { connect_waiters_.emplace_back(std::move(h), strand_); },
-              control::use_nothrow);
+              wait, control::use_nothrow);
       co_return ec;
     }
     connecting_ = true;
@@ -185,16 +187,16 @@ class client_state : public std::enable_shared_from_this<client_state> {
     const std::uint64_t id = ++next_id_;
     wire::detail::put_le(reinterpret_cast<unsigned char*>(frame.data()) + 16, id, 8);
     const auto deadline = std::chrono::steady_clock::now() + opt_.request_timeout;
+    auto start = [this, id, deadline, &frame](auto h) {
+      pending_.emplace(
+          id, pending_call{kvlink::detail::erased_handler<void(std::error_code, std::string)>(
+                               std::move(h), strand_),
+                           deadline});
+      send(std::move(frame));
+    };
     auto [ec, body] = co_await asio::async_initiate<decltype(control::use_nothrow),
                                                     void(std::error_code, std::string)>(
-        [this, id, deadline, &frame](auto h) {
-          pending_.emplace(
-              id, pending_call{kvlink::detail::erased_handler<void(std::error_code, std::string)>(
-                                   std::move(h), strand_),
-                               deadline});
-          send(std::move(frame));
-        },
-        control::use_nothrow);
+        start, control::use_nothrow);
     co_return result<std::string>{ec, std::move(body)};
   }
 
@@ -259,7 +261,8 @@ class client_state : public std::enable_shared_from_this<client_state> {
       q.encode(w);
     }
     std::string body;
-    if (auto ec = co_await request(w.take(), body)) co_return ec;
+    std::string frame = w.take();
+    if (auto ec = co_await request(std::move(frame), body)) co_return ec;
     wire::placement_list placed;
     {
       wire::reader r(body);
@@ -344,7 +347,8 @@ class client_state : public std::enable_shared_from_this<client_state> {
     q.encode(w, false);
     const auto sent = std::chrono::steady_clock::now();
     std::string body;
-    if (auto ec = co_await request(w.take(), body)) co_return ec;
+    std::string frame = w.take();
+    if (auto ec = co_await request(std::move(frame), body)) co_return ec;
     wire::placement_list placed;
     {
       wire::reader r(body);
@@ -504,7 +508,8 @@ class client_state : public std::enable_shared_from_this<client_state> {
     wire::writer w(wire::message_type::remove_all, 0, false);
     w.u8(force ? 1 : 0);
     std::string body;
-    if (auto ec = co_await request(w.take(), body)) co_return result<std::uint64_t>{ec, 0};
+    std::string frame = w.take();
+    if (auto ec = co_await request(std::move(frame), body)) co_return result<std::uint64_t>{ec, 0};
     wire::reader r(body);
     const auto n = r.u64();
     if (auto ec = r.finish()) co_return result<std::uint64_t>{ec, 0};
@@ -514,7 +519,9 @@ class client_state : public std::enable_shared_from_this<client_state> {
   asio::awaitable<result<wire::stats_reply>> stats() {
     wire::writer w(wire::message_type::stats, 0, false);
     std::string body;
-    if (auto ec = co_await request(w.take(), body)) co_return result<wire::stats_reply>{ec, {}};
+    std::string frame = w.take();
+    if (auto ec = co_await request(std::move(frame), body))
+      co_return result<wire::stats_reply>{ec, {}};
     wire::reader r(body);
     wire::stats_reply s;
     if (auto ec = s.decode(r)) co_return result<wire::stats_reply>{ec, {}};
@@ -537,7 +544,8 @@ class client_state : public std::enable_shared_from_this<client_state> {
         wire::writer w(wire::message_type::unmount, 0, false);
         w.u64(m.master_segment);
         std::string body;
-        (void)co_await request(w.take(), body);
+        std::string frame = w.take();
+        (void)co_await request(std::move(frame), body);
       }
     }
     closed_ = true;
@@ -610,14 +618,15 @@ class client_state : public std::enable_shared_from_this<client_state> {
                                                        if (--j->left == 0) j->done.complete({});
                                                      }));
     }
+    // Named, not a temporary of the co_await expression: g++ 12 destroyed
+    // that temporary (and the shared_ptr it holds) twice (ASan, unit.store).
+    auto wait = [this, j](auto h) {
+      j->done = kvlink::detail::erased_handler<void(std::error_code)>(std::move(h), strand_);
+      if (j->left == 0) j->done.complete({});
+    };
     auto [ec] =
         co_await asio::async_initiate<decltype(control::use_nothrow), void(std::error_code)>(
-            [this, j](auto h) {
-              j->done =
-                  kvlink::detail::erased_handler<void(std::error_code)>(std::move(h), strand_);
-              if (j->left == 0) j->done.complete({});
-            },
-            control::use_nothrow);
+            wait, control::use_nothrow);
     (void)ec;
   }
 
@@ -640,7 +649,8 @@ class client_state : public std::enable_shared_from_this<client_state> {
     wire::writer w(wire::message_type::segment_info, 0, false);
     w.u64(segment);
     std::string body;
-    if (auto ec = co_await request(w.take(), body)) co_return ec;
+    std::string frame = w.take();
+    if (auto ec = co_await request(std::move(frame), body)) co_return ec;
     wire::segment_location where;
     {
       wire::reader r(body);
@@ -677,7 +687,8 @@ class client_state : public std::enable_shared_from_this<client_state> {
     for (const auto i : which) q.keys.push_back(keys[i]);
     q.encode(w, type == wire::message_type::remove);
     std::string body;
-    if (auto ec = co_await request(w.take(), body)) co_return ec;
+    std::string frame = w.take();
+    if (auto ec = co_await request(std::move(frame), body)) co_return ec;
     wire::code_list codes;
     wire::reader r(body);
     if (codes.decode(r) || codes.codes.size() != which.size()) {
@@ -697,7 +708,8 @@ class client_state : public std::enable_shared_from_this<client_state> {
     wire::mount_request q{name, m.size, m.engine_segment.value()};
     q.encode(w);
     std::string body;
-    if (auto ec = co_await request(w.take(), body)) co_return ec;
+    std::string frame = w.take();
+    if (auto ec = co_await request(std::move(frame), body)) co_return ec;
     wire::reader r(body);
     m.master_segment = r.u64();
     co_return r.finish();
@@ -892,7 +904,8 @@ class client_state : public std::enable_shared_from_this<client_state> {
   static asio::awaitable<void> heartbeat(std::shared_ptr<client_state> self) {
     wire::writer w(wire::message_type::heartbeat, 0, false);
     std::string body;
-    if (co_await self->request(w.take(), body)) co_return;
+    std::string frame = w.take();
+    if (co_await self->request(std::move(frame), body)) co_return;
     wire::reader r(body);
     const bool known = r.u8() != 0;
     if (r.finish() || known || self->closed_) co_return;

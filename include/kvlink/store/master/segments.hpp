@@ -74,6 +74,11 @@ struct segment_range {
 
 class segment_table {
  public:
+  /// The largest segment a client may mount (1 PiB), and the most the
+  /// segments of a pool may add up to (2^62 bytes).
+  static constexpr std::uint64_t max_segment_size = std::uint64_t{1} << 50;
+  static constexpr std::uint64_t max_pool_size = std::uint64_t{1} << 62;
+
   /// Throws std::invalid_argument when `alignment` is not a power of two.
   explicit segment_table(std::uint64_t alignment = offset_allocator::default_alignment,
                          placement_policy policy = placement_policy::random, std::uint64_t seed = 1)
@@ -90,8 +95,15 @@ class segment_table {
   /// is below the alignment; segment_already_exists when this client has a
   /// segment of that name mounted.
   std::error_code mount(const segment_desc& d, segment_id& out) {
-    if (d.client == 0 || d.size < alignment_) return store_errc::invalid_params;
+    if (d.client == 0 || d.size < alignment_ || d.size > max_segment_size) {
+      return store_errc::invalid_params;
+    }
     std::unique_lock lock{mu_};
+    // The pool's byte counts stay far from overflowing (found by fuzzing: a
+    // client-given size near 2^64 wrapped the capacity around).
+    if (capacity_.load(std::memory_order_relaxed) > max_pool_size - d.size) {
+      return store_errc::invalid_params;
+    }
     for (std::uint32_t s : alive_) {
       const segment& g = *slots_[s];
       if (g.client == d.client && g.name == d.name) return store_errc::segment_already_exists;
