@@ -300,3 +300,29 @@ def test_closed_client_refuses(master):
     with pytest.raises(kvlink.Error) as e:
         c.exists("k")
     assert e.value.errc == "cancelled"
+
+
+def test_threads_share_one_client(store, peer):
+    # The GIL is released while a call waits: four threads at once, each
+    # with its own keys, all in flight on one client.
+    errors = []
+
+    def work(t: int) -> None:
+        try:
+            keys = [f"t{t}/{i}" for i in range(16)]
+            values = [pattern(512 + i, 100 * t + i) for i in range(16)]
+            assert store.put_batch(keys, values) == [0] * 16
+            bufs = [bytearray(1024) for _ in keys]
+            assert store.get_batch(keys, bufs) == [len(v) for v in values]
+            assert [bytes(b[:len(v)]) for b, v in zip(bufs, values)] == values
+        except BaseException as e:  # reported below, in the test's thread
+            errors.append(e)
+
+    threads = [threading.Thread(target=work, args=(t,)) for t in range(4)]
+    for th in threads:
+        th.start()
+    for th in threads:
+        th.join(timeout=WAIT)
+    assert not any(th.is_alive() for th in threads)
+    assert errors == []
+    assert peer.call("get", key="t3/15") == {"hex": pattern(527, 315).hex()}
