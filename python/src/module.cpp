@@ -723,6 +723,21 @@ PYBIND11_MODULE(_kvlink, m) {
           py::arg("key"), py::arg("buffer"), py::arg("address"), py::arg("capacity"))
       .def("get_bytes", &kp::py_store::get_bytes, py::arg("key"), py::arg("guess"))
       .def(
+          "get_size",
+          [](kp::py_store& s, const std::string& key) {
+            // A get into no memory: buffer_overflow tells the object's size.
+            const std::string what = fmt::format("get_size '{}'", key);
+            py::list keys, buffers;
+            keys.append(key);
+            buffers.append(py::bytearray());
+            const auto o = s.get(keys, buffers, py::none(), py::none(), what);
+            if (o.results[0] == kvlink::store_errc::buffer_overflow || !o.results[0]) {
+              return o.sizes[0];
+            }
+            kp::raise_error(o.results[0], what);
+          },
+          py::arg("key"))
+      .def(
           "exists_batch",
           [](kp::py_store& s, py::handle keys) {
             const auto r = s.keys_call(keys, true, false, "exists_batch");
