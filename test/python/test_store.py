@@ -256,3 +256,38 @@ def test_threads_share_one_client(store, peer):
     assert not any(th.is_alive() for th in threads)
     assert errors == []
     assert peer.call("get", key="t3/15") == {"hex": pattern(527, 315).hex()}
+
+
+def test_close_while_other_threads_call(master, peer):
+    # Calls in flight when the client closes end with errc 'cancelled' (or
+    # finish): none hangs, none crashes.
+    c = kvlink.StoreClient(master, listen="127.0.0.1:0")
+    keys = [f"close/{i}" for i in range(32)]
+    assert c.put_batch(keys, [pattern(4096, i) for i in range(32)]) == [0] * 32
+    started = [threading.Event() for _ in range(3)]
+    outcome = []
+
+    def work(t: int) -> None:
+        try:
+            while True:
+                bufs = [bytearray(4096) for _ in keys]
+                assert c.get_batch(keys, bufs) == [4096] * 32
+                assert bytes(bufs[5]) == pattern(4096, 5)
+                started[t].set()
+        except kvlink.Error as e:
+            outcome.append(e.errc)
+        except BaseException as e:  # reported below, in the test's thread
+            outcome.append(repr(e))
+        finally:
+            started[t].set()
+
+    threads = [threading.Thread(target=work, args=(t,)) for t in range(3)]
+    for th in threads:
+        th.start()
+    for ev in started:
+        assert ev.wait(WAIT)
+    c.close()
+    for th in threads:
+        th.join(timeout=WAIT)
+    assert not any(th.is_alive() for th in threads)
+    assert outcome == ["cancelled"] * 3
