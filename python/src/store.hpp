@@ -22,6 +22,7 @@
 #include <kvlink/store/client/client.hpp>
 #include <kvlink/store/error.hpp>
 
+#include <algorithm>
 #include <chrono>
 #include <cstdint>
 #include <cstring>
@@ -455,7 +456,9 @@ class py_store {
   };
 
   static std::chrono::milliseconds to_ms(double seconds) {
-    return std::chrono::milliseconds(static_cast<std::int64_t>(seconds * 1000.0 + 0.5));
+    // At most a year: larger values would overflow the clock's arithmetic.
+    const double ms = std::min(seconds * 1000.0, 365.0 * 86400.0 * 1000.0);
+    return std::chrono::milliseconds(static_cast<std::int64_t>(ms + 0.5));
   }
 
   static py::object sequence(py::handle h, const char* name, std::string_view what) {

@@ -291,3 +291,20 @@ def test_close_while_other_threads_call(master, peer):
         th.join(timeout=WAIT)
     assert not any(th.is_alive() for th in threads)
     assert outcome == ["cancelled"] * 3
+
+
+def test_mount_a_buffer_holds_the_bytes():
+    # The only memory in this master's pool is this numpy array: a put's
+    # bytes land in it, and a get reads them back from it.
+    proc, address = start_master()
+    try:
+        pool = np.zeros(1 << 20, np.uint8)
+        with kvlink.StoreClient(address, listen="127.0.0.1:0") as c:
+            seg = c.mount(pool)
+            assert c.stats()["capacity"] == pool.nbytes
+            data = pattern(10_000, 8)
+            c.put("in-pool", data, preferred=[seg])
+            assert data in pool.tobytes()
+            assert c.get("in-pool") == data
+    finally:
+        stop(proc)
