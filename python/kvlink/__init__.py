@@ -67,6 +67,7 @@ def _error(errc: str, text: str) -> Error:
     """A kvlink.Error raised by the Python layer, shaped like the C++ ones."""
     err = Error(f"{text} [{errc}]")
     err.errc, err.value, err.category, err.message, err.context = errc, 0, "kvlink", text, ""
+    err.mooncake_code = -1  # as for every error outside the store's category
     return err
 
 

@@ -489,7 +489,8 @@ PYBIND11_MODULE(_kvlink, m) {
   kp::error_type() = PyErr_NewExceptionWithDoc(
       "kvlink.Error",
       "A kvlink operation failed. Attributes: errc (the error's name: 'not_registered', "
-      "'deadline_exceeded', ... or errno's 'ECONNREFUSED'), value, category, message, context.",
+      "'deadline_exceeded', ... or errno's 'ECONNREFUSED'), value, category, message, context, "
+      "mooncake_code (Mooncake Store's integer for a store error, -1 for others).",
       PyExc_RuntimeError, nullptr);
   if (kp::error_type() == nullptr) throw py::error_already_set();
   m.attr("Error") = py::handle(kp::error_type());
