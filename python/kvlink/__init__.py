@@ -43,7 +43,7 @@ from . import _kvlink
 
 __all__ = [
     "Engine", "Error", "Peer", "Notification", "TransferResult", "SegmentInfo", "Operation",
-    "DeviceBuffer", "READ", "WRITE", "address_of", "config_table", "make_config", "describe", "__version__",
+    "DeviceBuffer", "StoreClient", "READ", "WRITE", "address_of", "config_table", "make_config", "describe", "__version__",
 ]
 
 __version__: str = _kvlink.__version__
@@ -67,6 +67,7 @@ def _error(errc: str, text: str) -> Error:
     """A kvlink.Error raised by the Python layer, shaped like the C++ ones."""
     err = Error(f"{text} [{errc}]")
     err.errc, err.value, err.category, err.message, err.context = errc, 0, "kvlink", text, ""
+    err.mooncake_code = -1  # as for every error outside the store's category
     return err
 
 
@@ -498,3 +499,197 @@ class Engine:
                 if fut.done() and not fut.cancelled() and fut.exception() is None:
                     core.put_back(fut.result())
             raise
+
+
+# ----------------------------------------------------------------- store
+
+_store_live: "weakref.WeakSet[StoreClient]" = weakref.WeakSet()
+
+
+@atexit.register
+def _close_stores() -> None:
+    for st in list(_store_live):
+        st.close()
+
+
+class StoreClient:
+    """A client of kvlink's KV-cache store: a `kvlink-master` holds the
+    objects' metadata, clients hold their bytes in the memory they mount and
+    move them between each other with an engine of their own (keywords:
+    kvlink.config_table(); `listen` must be reachable by the other clients
+    when this one mounts memory).
+
+        store = kvlink.StoreClient("127.0.0.1:50051")
+        store.mount(1 << 30)                    # give 1 GiB to the pool (or a buffer)
+        store.put("req-42/block-0", kv)         # any buffer: bytes, numpy array, memoryview
+        data = store.get("req-42/block-0")      # bytes; get_into(key, buf) reads in place
+        codes = store.put_batch(keys, values)   # one int per key: 0 or Mooncake's code
+
+    Objects are immutable and the first writer wins. Single-key calls raise
+    kvlink.Error (errc: "object_not_found", "object_already_exists",
+    "no_space", ...; mooncake_code: Mooncake's integer); batches raise only
+    for the batch as a whole (lists of different lengths, the master not
+    reachable) and give one int per key, in input order: 0 (put, remove),
+    the bytes read (get), 1/0 (exists), or Mooncake's negative code (-200
+    no space, -704 not found, -705 exists already, -10 buffer too small).
+    Every call blocks with the GIL released, bounded by request_timeout per
+    master round trip and the engine's transfer_deadline for the bytes.
+    Buffers inside memory given to register() are read and written in
+    place; others go through staging memory (one copy). Thread-safe."""
+
+    def __init__(self, master: str = "127.0.0.1:50051", *, auth_secret: Optional[str] = None,
+                 connect_timeout: float = 5.0, request_timeout: float = 10.0,
+                 config: Optional[Dict[str, Any]] = None, use_env: bool = True,
+                 **settings: Any) -> None:
+        cfg = make_config(config, use_env=use_env, **settings)
+        self._core = _kvlink.StoreClient(json.dumps(cfg), master, auth_secret or "",
+                                         float(connect_timeout), float(request_timeout))
+        self._pins: Dict[int, Any] = {}   # engine segment -> what keeps its memory alive
+        self._mounts: List[Any] = []      # mounted memory, kept until close
+        self._pages: List[tuple] = []     # (address, length) mapped by mount(size)
+        self._lock = threading.Lock()
+        _store_live.add(self)
+
+    # -- life
+    def connect(self) -> None:
+        """Connects to the master now (otherwise the first call does)."""
+        self._core.connect()
+
+    def close(self) -> None:
+        """Unmounts this client's memory (its objects leave the pool) and
+        closes the engine; calls in flight fail with errc 'cancelled'.
+        Mounted and registered memory may be freed once it returns. Idempotent."""
+        self._core.close()
+        with self._lock:
+            pages, self._pages = self._pages, []
+            self._pins.clear()
+            self._mounts.clear()
+        for addr, length in pages:
+            _kvlink.unmap_pages(addr, length)
+
+    def __del__(self) -> None:
+        if getattr(self, "_core", None) is not None:
+            try:
+                self.close()
+            except Exception:
+                pass
+
+    def __enter__(self) -> "StoreClient":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+    @property
+    def local_address(self) -> str:
+        """host:port of this client's engine (where other clients reach its memory)."""
+        return self._core.local_address
+
+    @property
+    def client_id(self) -> int:
+        """This client's id at the master (0 before it connected)."""
+        return self._core.client_id
+
+    # -- memory
+    def mount(self, memory: Any) -> int:
+        """Gives memory to the pool: a size in bytes (page-aligned memory
+        this client maps and unmaps at close) or a writable contiguous
+        buffer, kept referenced until close(). Returns the store's segment id
+        (for `preferred=`)."""
+        if isinstance(memory, int):
+            if memory <= 0:
+                raise _error("invalid_argument", f"mount: {memory} bytes")
+            addr = _kvlink.map_pages(memory)
+            try:
+                seg = self._core.mount(addr, memory)
+            except BaseException:
+                _kvlink.unmap_pages(addr, memory)
+                raise
+            with self._lock:
+                self._pages.append((addr, memory))
+            return seg
+        view = memoryview(memory)
+        addr, length = _kvlink.buffer_address(memory, True)
+        seg = self._core.mount(addr, length)
+        with self._lock:
+            self._mounts.append(view)
+        return seg
+
+    def register(self, buffer: Any) -> int:
+        """Registers a writable contiguous buffer (numpy array, bytearray,
+        mmap) with this client's engine, so that puts from and gets into it
+        (or addresses inside it) need no staging copy. Returns its id."""
+        view = memoryview(buffer)
+        addr, length = _kvlink.buffer_address(buffer, True)
+        seg = self._core.register(addr, length)
+        with self._lock:
+            self._pins[seg] = view
+        return seg
+
+    def unregister(self, segment: int) -> None:
+        self._core.unregister(segment)
+        with self._lock:
+            self._pins.pop(segment, None)
+
+    # -- puts
+    def put(self, key: str, value: Any = None, *, address: Optional[int] = None,
+            size: Optional[int] = None, replicas: int = 1, preferred: Any = (),
+            soft_pin: bool = False, hard_pin: bool = False) -> None:
+        """Puts `value` (any buffer), or `size` bytes at `address` (inside
+        registered memory), under `key`. Raises kvlink.Error
+        (object_already_exists: the first writer won; no_space: back off)."""
+        self._core.put(key, value, address, size,
+                       _kvlink.PutConfig(replicas, list(preferred), soft_pin, hard_pin))
+
+    def put_batch(self, keys: List[str], values: Any = None, *, addresses: Any = None,
+                  sizes: Any = None, replicas: int = 1, preferred: Any = (),
+                  soft_pin: bool = False, hard_pin: bool = False) -> List[int]:
+        """Puts values[i] (buffers), or sizes[i] bytes at addresses[i]
+        (ints, lists or int64 arrays; registered memory), under keys[i].
+        One int per key: 0 or Mooncake's negative code."""
+        return self._core.put_batch(keys, values, addresses, sizes,
+                                    _kvlink.PutConfig(replicas, list(preferred), soft_pin,
+                                                      hard_pin))
+
+    # -- gets
+    def get(self, key: str) -> bytes:
+        """The object's bytes. Raises kvlink.Error (object_not_found, ...)."""
+        return self._core.get_bytes(key, 1 << 20)
+
+    def get_into(self, key: str, buffer: Any = None, *, address: Optional[int] = None,
+                 capacity: Optional[int] = None) -> int:
+        """Reads the object into a writable buffer (or `capacity` bytes at
+        `address`, inside registered memory); returns its size. Raises
+        kvlink.Error (buffer_overflow: the buffer is smaller than the object)."""
+        return self._core.get_into(key, buffer, address, capacity)
+
+    def get_batch(self, keys: List[str], buffers: Any = None, *, addresses: Any = None,
+                  capacities: Any = None) -> List[int]:
+        """Reads keys[i] into buffers[i] (or capacities[i] bytes at
+        addresses[i]). One int per key: the bytes read, or Mooncake's
+        negative code."""
+        return self._core.get_batch(keys, buffers, addresses, capacities)
+
+    # -- exists and remove
+    def exists(self, key: str) -> bool:
+        return self._core.exists(key)
+
+    def exists_batch(self, keys: List[str]) -> List[int]:
+        """One int per key: 1 there, 0 not (or its put not ended), < 0 an error."""
+        return self._core.exists_batch(keys)
+
+    def remove(self, key: str, *, force: bool = False) -> None:
+        """Removes the object (force: even while read or hard-pinned)."""
+        self._core.remove(key, force)
+
+    def remove_batch(self, keys: List[str], *, force: bool = False) -> List[int]:
+        return self._core.remove_batch(keys, force)
+
+    def remove_all(self, *, force: bool = False) -> int:
+        """Removes every object (force: leased and hard-pinned ones too);
+        returns how many went."""
+        return self._core.remove_all(force)
+
+    def stats(self) -> Dict[str, int]:
+        """The pool's totals: capacity, used, objects, in_progress, reserved, segments."""
+        return self._core.stats()

@@ -1,4 +1,5 @@
-"""Makes `import mooncake.engine` give kvlink.mooncake where no Mooncake is installed.
+"""Makes `import mooncake.engine` give kvlink.mooncake (and `mooncake.store`
+kvlink.mooncake_store) where no Mooncake is installed.
 
 Opt-in: installed only on request, with kvlink_mooncake_alias.pth, which
 imports this module when Python starts (see kvlink's README, "Python"). It
@@ -28,7 +29,11 @@ class _Loader(importlib.abc.Loader):
         if module.__name__ == "mooncake":
             module.__doc__ = "Stand-in for Mooncake, given by kvlink (_kvlink_mooncake_alias)."
             return
-        from kvlink import mooncake as impl  # the real work: imports kvlink's C++ module
+        # The real work: imports kvlink's C++ module.
+        if module.__name__ == "mooncake.store":
+            from kvlink import mooncake_store as impl
+        else:
+            from kvlink import mooncake as impl
 
         for name in impl.__all__:
             setattr(module, name, getattr(impl, name))
@@ -45,7 +50,7 @@ class _Finder(importlib.abc.MetaPathFinder):
                 sys.stderr.write("kvlink: KVLINK_MOONCAKE_ALIAS=force: mooncake.engine is kvlink, "
                                  "not the Mooncake installed here\n")
             return importlib.util.spec_from_loader(fullname, _Loader(), is_package=True)
-        if fullname == "mooncake.engine":
+        if fullname in ("mooncake.engine", "mooncake.store"):
             parent = sys.modules.get("mooncake")
             if getattr(parent, "__kvlink_alias__", False):  # never inside a real Mooncake
                 return importlib.util.spec_from_loader(fullname, _Loader())

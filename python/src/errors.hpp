@@ -9,6 +9,7 @@
 #pragma once
 
 #include <kvlink/core/error.hpp>
+#include <kvlink/store/error.hpp>
 
 #include <cstddef>
 #include <cstring>
@@ -64,6 +65,51 @@ inline std::string_view errc_name(errc e) noexcept {
   return i > 0 && i < std::size(names) ? names[i] : std::string_view("unknown");
 }
 
+/// The name of a kvlink::store_errc value as written in the source.
+inline std::string_view store_errc_name(store_errc e) noexcept {
+  switch (e) {
+    case store_errc::internal_error:
+      return "internal_error";
+    case store_errc::buffer_overflow:
+      return "buffer_overflow";
+    case store_errc::segment_not_found:
+      return "segment_not_found";
+    case store_errc::segment_already_exists:
+      return "segment_already_exists";
+    case store_errc::client_not_found:
+      return "client_not_found";
+    case store_errc::no_space:
+      return "no_space";
+    case store_errc::invalid_key:
+      return "invalid_key";
+    case store_errc::invalid_params:
+      return "invalid_params";
+    case store_errc::illegal_client:
+      return "illegal_client";
+    case store_errc::object_in_progress:
+      return "object_in_progress";
+    case store_errc::object_not_found:
+      return "object_not_found";
+    case store_errc::object_already_exists:
+      return "object_already_exists";
+    case store_errc::object_has_lease:
+      return "object_has_lease";
+    case store_errc::lease_expired:
+      return "lease_expired";
+    case store_errc::transfer_failed:
+      return "transfer_failed";
+    case store_errc::checksum_mismatch:
+      return "checksum_mismatch";
+    case store_errc::rpc_failed:
+      return "rpc_failed";
+    case store_errc::rpc_timeout:
+      return "rpc_timeout";
+    case store_errc::object_hard_pinned:
+      return "object_hard_pinned";
+  }
+  return "unknown";
+}
+
 /// Whether `ec` holds an errno value (Asio's socket errors have a category of
 /// their own, "asio.system").
 inline bool is_errno(const std::error_code& ec) noexcept {
@@ -76,6 +122,8 @@ inline bool is_errno(const std::error_code& ec) noexcept {
 inline std::string error_name(const std::error_code& ec) {
   if (ec.category() == error_category())
     return std::string(errc_name(static_cast<errc>(ec.value())));
+  if (ec.category() == store_error_category())
+    return std::string(store_errc_name(static_cast<store_errc>(ec.value())));
   if (is_errno(ec)) {
     if (const char* n = ::strerrorname_np(ec.value())) return n;
   }
@@ -99,6 +147,8 @@ inline PyObject*& error_type() noexcept {
   err.attr("category") = is_errno(ec) ? std::string("system") : std::string(ec.category().name());
   err.attr("message") = ec.message();
   err.attr("context") = std::string(context);
+  // Mooncake Store's integer for the error (store errors; -1 for others).
+  err.attr("mooncake_code") = mooncake_code(ec);
   PyErr_SetObject(error_type(), err.ptr());
   throw py::error_already_set();
 }

@@ -22,6 +22,7 @@
 #include "host.hpp"
 #include "operation.hpp"
 #include "requests.hpp"
+#include "store.hpp"
 #if KVLINK_PYTHON_WITH_RDMA
 #include <kvlink/rdma.hpp>
 #endif
@@ -82,47 +83,6 @@ struct segment_view {
   std::uint64_t length = 0;
   std::string access;
 };
-
-// How long a blocking wait may sleep before it wakes up again: at most
-// 200 ms (so that Python can run its signal handlers), at most what is left
-// of `timeout` seconds since `start`; nullopt once that has passed.
-std::optional<std::chrono::nanoseconds> next_step(std::chrono::steady_clock::time_point start,
-                                                  std::optional<double> timeout) {
-  std::chrono::nanoseconds step = 200ms;
-  if (timeout) {
-    const auto left =
-        std::chrono::duration<double>(*timeout) - (std::chrono::steady_clock::now() - start);
-    if (left.count() <= 0) return std::nullopt;
-    step = std::min(step, std::chrono::duration_cast<std::chrono::nanoseconds>(left));
-  }
-  return step;
-}
-
-// Waits for `op` with the GIL released, waking up as next_step() says: a
-// signal handler that raises (Ctrl-C) cancels the operation, waits for it to
-// finish (nothing touches the caller's memory after that) and lets the
-// exception through. True when done within `timeout` seconds.
-bool wait_op(operation& op, std::optional<double> timeout) {
-  const auto start = std::chrono::steady_clock::now();
-  for (;;) {
-    const auto step = next_step(start, timeout);
-    if (!step) return op.done();
-    bool done = false;
-    {
-      py::gil_scoped_release nogil;
-      done = op.wait_for(*step);
-    }
-    if (done) return true;
-    if (PyErr_CheckSignals() != 0) {
-      op.cancel();
-      {
-        py::gil_scoped_release nogil;
-        op.wait();
-      }
-      throw py::error_already_set();
-    }
-  }
-}
 
 /// The operation's value, or kvlink.Error. Call once done.
 py::object op_result(const operation& op) {
@@ -529,7 +489,8 @@ PYBIND11_MODULE(_kvlink, m) {
   kp::error_type() = PyErr_NewExceptionWithDoc(
       "kvlink.Error",
       "A kvlink operation failed. Attributes: errc (the error's name: 'not_registered', "
-      "'deadline_exceeded', ... or errno's 'ECONNREFUSED'), value, category, message, context.",
+      "'deadline_exceeded', ... or errno's 'ECONNREFUSED'), value, category, message, context, "
+      "mooncake_code (Mooncake Store's integer for a store error, -1 for others).",
       PyExc_RuntimeError, nullptr);
   if (kp::error_type() == nullptr) throw py::error_already_set();
   m.attr("Error") = py::handle(kp::error_type());
@@ -661,6 +622,169 @@ PYBIND11_MODULE(_kvlink, m) {
   m.def("unmap_pages", &kp::unmap_pages, py::arg("address"), py::arg("length"));
   m.def("buffer_address", &kp::buffer_address, py::arg("obj"), py::arg("writable"));
   m.def("device_runtimes", [] { return kvlink::device_catalog::global().names(); });
+
+  // The store client (store.hpp); kvlink.StoreClient is the Python around it.
+  py::class_<kp::py_put_config>(m, "PutConfig")
+      .def(py::init([](std::size_t replicas, std::vector<std::uint64_t> preferred, bool soft_pin,
+                       bool hard_pin) {
+             return kp::py_put_config{replicas, std::move(preferred), soft_pin, hard_pin};
+           }),
+           py::arg("replicas") = 1, py::arg("preferred") = std::vector<std::uint64_t>{},
+           py::arg("soft_pin") = false, py::arg("hard_pin") = false)
+      .def_readonly("replicas", &kp::py_put_config::replicas)
+      .def_readonly("preferred", &kp::py_put_config::preferred)
+      .def_readonly("soft_pin", &kp::py_put_config::soft_pin)
+      .def_readonly("hard_pin", &kp::py_put_config::hard_pin);
+
+  const auto codes = [](const std::vector<std::error_code>& results) {
+    std::vector<std::int32_t> out;
+    out.reserve(results.size());
+    for (const auto& ec : results) out.push_back(kvlink::mooncake_code(ec));
+    return out;
+  };
+  py::class_<kp::py_store>(m, "StoreClient")
+      .def(py::init<const std::string&, const std::string&, const std::string&, double, double>(),
+           py::arg("config_json"), py::arg("master"), py::arg("auth_secret"),
+           py::arg("connect_timeout"), py::arg("request_timeout"))
+      .def("close", &kp::py_store::close)
+      .def_property_readonly("local_address", &kp::py_store::local_address)
+      .def_property_readonly("client_id", &kp::py_store::client_id)
+      .def("connect", &kp::py_store::connect)
+      .def("mount", &kp::py_store::mount, py::arg("address"), py::arg("size"))
+      .def("register", &kp::py_store::register_buffer, py::arg("address"), py::arg("size"))
+      .def("unregister", &kp::py_store::unregister_buffer, py::arg("segment"))
+      .def(
+          "put_batch",
+          [codes](kp::py_store& s, py::handle keys, py::handle values, py::handle addresses,
+                  py::handle sizes, const kp::py_put_config& cfg) {
+            return codes(s.put(keys, values, addresses, sizes, cfg, "put_batch"));
+          },
+          py::arg("keys"), py::arg("values"), py::arg("addresses"), py::arg("sizes"),
+          py::arg("config"))
+      .def(
+          "put",
+          [](kp::py_store& s, const std::string& key, py::handle value, py::handle address,
+             py::handle size, const kp::py_put_config& cfg) {
+            const std::string what = fmt::format("put '{}'", key);
+            py::list keys;
+            keys.append(key);
+            py::object values = py::none(), addresses = py::none(), sizes = py::none();
+            if (!value.is_none()) {
+              py::list v;
+              v.append(value);
+              values = v;
+            } else {
+              addresses = py::reinterpret_borrow<py::object>(address);
+              sizes = py::reinterpret_borrow<py::object>(size);
+            }
+            const auto r = s.put(keys, values, addresses, sizes, cfg, what);
+            if (r[0]) kp::raise_error(r[0], what);
+          },
+          py::arg("key"), py::arg("value"), py::arg("address"), py::arg("size"), py::arg("config"))
+      .def(
+          "get_batch",
+          [](kp::py_store& s, py::handle keys, py::handle buffers, py::handle addresses,
+             py::handle capacities) {
+            const auto o = s.get(keys, buffers, addresses, capacities, "get_batch");
+            std::vector<std::int64_t> out;
+            out.reserve(o.results.size());
+            for (std::size_t i = 0; i < o.results.size(); ++i) {
+              out.push_back(o.results[i] ? kvlink::mooncake_code(o.results[i])
+                                         : static_cast<std::int64_t>(o.sizes[i]));
+            }
+            return out;
+          },
+          py::arg("keys"), py::arg("buffers"), py::arg("addresses"), py::arg("capacities"))
+      .def(
+          "get_into",
+          [](kp::py_store& s, const std::string& key, py::handle buffer, py::handle address,
+             py::handle capacity) {
+            const std::string what = fmt::format("get '{}'", key);
+            py::list keys;
+            keys.append(key);
+            py::object buffers = py::none(), addresses = py::none(), caps = py::none();
+            if (!buffer.is_none()) {
+              py::list b;
+              b.append(buffer);
+              buffers = b;
+            } else {
+              addresses = py::reinterpret_borrow<py::object>(address);
+              caps = py::reinterpret_borrow<py::object>(capacity);
+            }
+            const auto o = s.get(keys, buffers, addresses, caps, what);
+            if (o.results[0] == kvlink::store_errc::buffer_overflow) {
+              kp::raise_error_text(
+                  o.results[0], what,
+                  fmt::format("{}: the object has {} bytes, the buffer holds fewer [{}]", what,
+                              o.sizes[0], kp::error_name(o.results[0])));
+            }
+            if (o.results[0]) kp::raise_error(o.results[0], what);
+            return o.sizes[0];
+          },
+          py::arg("key"), py::arg("buffer"), py::arg("address"), py::arg("capacity"))
+      .def("get_bytes", &kp::py_store::get_bytes, py::arg("key"), py::arg("guess"))
+      .def(
+          "get_size",
+          [](kp::py_store& s, const std::string& key) {
+            // A get into no memory: buffer_overflow tells the object's size.
+            const std::string what = fmt::format("get_size '{}'", key);
+            py::list keys, buffers;
+            keys.append(key);
+            buffers.append(py::bytearray());
+            const auto o = s.get(keys, buffers, py::none(), py::none(), what);
+            if (o.results[0] == kvlink::store_errc::buffer_overflow || !o.results[0]) {
+              return o.sizes[0];
+            }
+            kp::raise_error(o.results[0], what);
+          },
+          py::arg("key"))
+      .def(
+          "exists_batch",
+          [](kp::py_store& s, py::handle keys) {
+            const auto r = s.keys_call(keys, true, false, "exists_batch");
+            std::vector<std::int32_t> out;
+            out.reserve(r.size());
+            for (const auto& ec : r) {
+              const bool absent = ec == kvlink::store_errc::object_not_found ||
+                                  ec == kvlink::store_errc::object_in_progress;
+              out.push_back(!ec ? 1 : absent ? 0 : kvlink::mooncake_code(ec));
+            }
+            return out;
+          },
+          py::arg("keys"))
+      .def(
+          "exists",
+          [](kp::py_store& s, const std::string& key) {
+            const std::string what = fmt::format("exists '{}'", key);
+            py::list keys;
+            keys.append(key);
+            const auto r = s.keys_call(keys, true, false, what);
+            if (!r[0]) return true;
+            if (r[0] == kvlink::store_errc::object_not_found ||
+                r[0] == kvlink::store_errc::object_in_progress) {
+              return false;
+            }
+            kp::raise_error(r[0], what);
+          },
+          py::arg("key"))
+      .def(
+          "remove_batch",
+          [codes](kp::py_store& s, py::handle keys, bool force) {
+            return codes(s.keys_call(keys, false, force, "remove_batch"));
+          },
+          py::arg("keys"), py::arg("force"))
+      .def(
+          "remove",
+          [](kp::py_store& s, const std::string& key, bool force) {
+            const std::string what = fmt::format("remove '{}'", key);
+            py::list keys;
+            keys.append(key);
+            const auto r = s.keys_call(keys, false, force, what);
+            if (r[0]) kp::raise_error(r[0], what);
+          },
+          py::arg("key"), py::arg("force"))
+      .def("remove_all", &kp::py_store::remove_all, py::arg("force"))
+      .def("stats", &kp::py_store::stats);
 
   py::class_<kp::py_device_buffer>(m, "DeviceBuffer",
                                    "Device memory of a runtime, reached only through its copy "

@@ -11,12 +11,14 @@
 
 #include <kvlink/engine.hpp>
 
+#include <algorithm>
 #include <chrono>
 #include <condition_variable>
 #include <deque>
 #include <functional>
 #include <memory>
 #include <mutex>
+#include <optional>
 #include <string>
 #include <system_error>
 #include <thread>
@@ -235,5 +237,46 @@ struct finish_op {
   void operator()(std::error_code ec, transfer_result r) const { op->finish(ec, r); }
   void operator()(std::error_code ec, peer p) const { op->finish(ec, std::move(p)); }
 };
+
+// How long a blocking wait may sleep before it wakes up again: at most
+// 200 ms (so that Python can run its signal handlers), at most what is left
+// of `timeout` seconds since `start`; nullopt once that has passed.
+inline std::optional<std::chrono::nanoseconds> next_step(
+    std::chrono::steady_clock::time_point start, std::optional<double> timeout) {
+  std::chrono::nanoseconds step = std::chrono::milliseconds(200);
+  if (timeout) {
+    const auto left =
+        std::chrono::duration<double>(*timeout) - (std::chrono::steady_clock::now() - start);
+    if (left.count() <= 0) return std::nullopt;
+    step = std::min(step, std::chrono::duration_cast<std::chrono::nanoseconds>(left));
+  }
+  return step;
+}
+
+// Waits for `op` with the GIL released, waking up as next_step() says: a
+// signal handler that raises (Ctrl-C) cancels the operation, waits for it to
+// finish (nothing touches the caller's memory after that) and lets the
+// exception through. True when done within `timeout` seconds.
+inline bool wait_op(operation& op, std::optional<double> timeout) {
+  const auto start = std::chrono::steady_clock::now();
+  for (;;) {
+    const auto step = next_step(start, timeout);
+    if (!step) return op.done();
+    bool done = false;
+    {
+      py::gil_scoped_release nogil;
+      done = op.wait_for(*step);
+    }
+    if (done) return true;
+    if (PyErr_CheckSignals() != 0) {
+      op.cancel();
+      {
+        py::gil_scoped_release nogil;
+        op.wait();
+      }
+      throw py::error_already_set();
+    }
+  }
+}
 
 }  // namespace kvlink::python

@@ -106,3 +106,15 @@ def test_an_alias_on_pythonpath_is_inert_and_the_diagnostic_says_so(tmp_path):
                      "print(m.TransferEngine.__module__)")
     assert fixed.returncode == 0, fixed.stderr
     assert fixed.stdout.strip() == "kvlink.mooncake"
+
+
+def test_alias_gives_kvlink_store():
+    r = run("""
+        import mooncake.store as m
+        from mooncake.store import MooncakeDistributedStore, ReplicateConfig
+        s = MooncakeDistributedStore()
+        assert s.put("k", b"v") == -600  # not set up: refused, not crashed
+        print("ok", m.MooncakeDistributedStore.__module__, ReplicateConfig().replica_num)
+    """)
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.split() == ["ok", "kvlink.mooncake_store", "1"]

@@ -366,6 +366,7 @@ class client_state : public std::enable_shared_from_this<client_state> {
       }
       if (e.size > a.capacities[i]) {
         a.results[i] = make_error_code(store_errc::buffer_overflow);
+        a.sizes[i] = e.size;  // what a buffer must hold (a retry knows its size)
         continue;
       }
       a.sizes[i] = e.size;
@@ -432,7 +433,7 @@ class client_state : public std::enable_shared_from_this<client_state> {
     const auto now = std::chrono::steady_clock::now();
     for (std::size_t i = 0; i < n; ++i) {
       if (a.results[i] || placed.entries[i].code != 0) {
-        if (a.results[i]) a.sizes[i] = 0;
+        if (a.results[i] && a.results[i] != store_errc::buffer_overflow) a.sizes[i] = 0;
         continue;
       }
       if (now > sent + std::chrono::milliseconds(placed.entries[i].lease_ms)) {
@@ -1045,8 +1046,9 @@ class client {
 
   /// Gets many objects: keys[i] into buffers[i] of capacities[i] bytes;
   /// sizes[i] and results[i] are key i's outcome (both spans must stay
-  /// valid until the handler runs). Signature: void(std::error_code) for
-  /// the batch as a whole.
+  /// valid until the handler runs): the bytes read, or with buffer_overflow
+  /// the object's size (0 for other errors). Signature:
+  /// void(std::error_code) for the batch as a whole.
   template <class Token = asio::default_completion_token_t<executor_type>>
   auto async_get_batch(std::span<const std::string_view> keys, std::span<void* const> buffers,
                        std::span<const std::uint64_t> capacities, std::span<std::uint64_t> sizes,

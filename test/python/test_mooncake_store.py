@@ -1,0 +1,122 @@
+"""kvlink.mooncake_store.MooncakeDistributedStore (what `import mooncake.store`
+gives through the alias) against a real kvlink-master (KVLINK_MASTER, set by
+ctest; skipped without it) and a second process that mounts the pool's
+memory, with Mooncake's integer results and every byte checked."""
+
+import numpy as np
+import pytest
+
+from kvlink.mooncake_store import MooncakeDistributedStore, ReplicateConfig
+from store_support import StorePeer, start_master, stop
+
+
+@pytest.fixture(scope="module")
+def master():
+    proc, address = start_master()
+    yield address
+    stop(proc)
+
+
+@pytest.fixture(scope="module")
+def peer(master):
+    p = StorePeer(master, 8 << 20)
+    yield p
+    p.close()
+
+
+@pytest.fixture
+def store(master, peer):
+    s = MooncakeDistributedStore()
+    # A pure requester (no segment of its own): every byte goes to the peer.
+    assert s.setup("127.0.0.1", "P2PHANDSHAKE", 0, 16 << 20, "tcp", "", master) == 0
+    assert s.remove_all(True) >= 0
+    yield s
+    assert s.close() == 0
+
+
+def blob(n: int, seed: int) -> bytes:
+    return np.random.default_rng(seed).integers(0, 256, n, dtype=np.uint8).tobytes()
+
+
+def test_put_get_exist_remove(store, peer):
+    data = blob(50_000, 1)
+    assert store.put("m/1", data) == 0
+    assert peer.call("get", key="m/1") == {"hex": data.hex()}
+    assert store.get("m/1") == data
+    assert store.get_size("m/1") == len(data)
+    assert store.put("m/1", b"again") == 0  # exists: Mooncake counts it a success
+    assert store.get("m/1") == data         # the first writer's bytes stay
+    assert store.get("m/missing") == b""
+    assert store.get_size("m/missing") == -704
+    assert store.is_exist("m/1") == 1 and store.is_exist("m/missing") == 0
+    theirs = blob(3000, 2)
+    assert peer.call("put", key="m/2", hex=theirs.hex()) == {"rc": 0}
+    assert store.batch_is_exist(["m/2", "m/missing", "m/1"]) == [1, 0, 1]
+    assert store.get_batch(["m/2", "m/missing"]) == [theirs, b""]
+    assert store.put_parts("m/3", b"ab", bytearray(b"cd"), np.frombuffer(b"ef", np.uint8)) == 0
+    assert store.get("m/3") == b"abcdef"
+    assert store.put_batch(["m/4", "m/5"], [b"four", b"five"]) == 0
+    assert store.remove("m/4") == 0  # never read: no lease
+    assert store.is_exist("m/4") == 0
+    assert store.batch_remove(["m/5", "m/missing"], True) == [0, -704]
+    assert store.remove_all(True) == 3
+    assert store.get_hostname().startswith("127.0.0.1:")
+    assert store.health_check() == 0
+
+
+def test_zero_copy_registered_buffers(store, peer):
+    arena = np.zeros(1 << 16, np.uint8)
+    base = arena.ctypes.data
+    assert store.register_buffer(base, arena.nbytes) == 0
+    src = np.frombuffer(blob(4 * 4096, 3), np.uint8)
+    arena[:src.size] = src
+    keys = [f"z/{i}" for i in range(4)]
+    assert store.batch_put_from(keys, [base + i * 4096 for i in range(4)], [4096] * 4) == [0] * 4
+    assert store.put_from("z/0", base, 4096) == 0  # exists: 0
+    assert peer.call("get", key="z/3") == {"hex": src[3 * 4096:].tobytes().hex()}
+    out = base + (1 << 15)
+    got = store.batch_get_into(keys[::-1], [out + i * 4096 for i in range(4)], [4096] * 4)
+    assert got == [4096] * 4
+    assert arena[1 << 15:(1 << 15) + 4 * 4096].reshape(4, 4096)[::-1].tobytes() == src.tobytes()
+    assert store.get_into("z/1", out, 100) == -600            # buffer too small
+    plain = np.zeros(4096, np.uint8)
+    assert store.get_into("z/1", plain.ctypes.data, 4096) == -600   # not registered
+    assert not plain.any()
+    assert store.batch_get_into(["z/1"], [out, out], [4096]) == [-600]  # lengths differ
+    assert store.batch_put_from(["y/1", "y/2"], [base], [8, 8]) == [-600, -600]
+    assert store.batch_is_exist(["y/1", "y/2"]) == [0, 0]      # nothing was put
+    assert store.unregister_buffer(base) == 0
+    assert store.unregister_buffer(base) == -600
+
+
+def test_pool_full_then_space_after_remove():
+    proc, address = start_master()
+    try:
+        s = MooncakeDistributedStore()
+        # Its own 4 MiB segment (a size as Mooncake's configs write it).
+        assert s.setup("127.0.0.1", "P2PHANDSHAKE", "4MB", "16MB", "tcp", "", address) == 0
+        # Hard-pinned, all of them: the eviction round a refused put asks
+        # for finds nothing to take, whenever it runs.
+        pinned = ReplicateConfig()
+        pinned.with_hard_pin = True
+        assert s.put("pinned", blob(3 << 20, 4), pinned) == 0
+        assert s.put("more", blob(2 << 20, 5), pinned) == -200  # vLLM backs off on this
+        assert s.put_batch(["more"], [blob(2 << 20, 5)], pinned) == -200
+        assert s.remove("pinned", True) == 0
+        assert s.put("more", blob(2 << 20, 5), pinned) == 0
+        assert s.get("more") == blob(2 << 20, 5)
+        assert s.close() == 0
+    finally:
+        stop(proc)
+
+
+def test_setup_failures_give_minus_one(master):
+    s = MooncakeDistributedStore()
+    assert s.setup("127.0.0.1", "P2PHANDSHAKE", 0, 0, "tcp", "", "127.0.0.1:1") == -1
+    assert s.setup("127.0.0.1", "P2PHANDSHAKE", 0, 0, "tcp", "", "etcd://127.0.0.1:2379") == -1
+    assert s.setup("127.0.0.1", "P2PHANDSHAKE", "lots", 0, "tcp", "", master) == -1
+    assert s.setup("127.0.0.1", "P2PHANDSHAKE", 0, 0, "nvlink", "", master) == -1
+    assert s.put("k", b"v") == -600 and s.get("k") == b"" and s.is_exist("k") == -1
+    assert s.setup("127.0.0.1", "P2PHANDSHAKE", 0, 0, "tcp", "", master) == 0
+    assert s.setup("127.0.0.1", "P2PHANDSHAKE", 0, 0, "tcp", "", master) == -1  # twice
+    assert s.close() == 0
