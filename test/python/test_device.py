@@ -4,10 +4,14 @@ engine): kvlink.DeviceBuffer, Engine registration of device memory
 (__cuda_array_interface__, DLPack, plain addresses) and transfers between
 device memory on one engine and host memory on another, bytes checked
 through the copy engine; the Mooncake drop-in with "cuda:0" locations and
-its *_on_cuda calls. That a CPU touch of emulated device memory faults is
+its *_on_cuda calls; the vLLM-pattern example with both KV caches in device
+memory. That a CPU touch of emulated device memory faults is
 left to the C++ tests of the emulated device (a fault here would end pytest)."""
 
 import logging
+import subprocess
+import sys
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -294,3 +298,17 @@ def test_mooncake_cuda_location_without_a_runtime(monkeypatch, caplog):
         assert "device runtime" in caplog.text
         assert eng.register_memory(buf.ptr, buf.nbytes, "npu:0") == -1
     eng._engine.close()
+
+
+# ------------------------------------------------------ vLLM's pattern, on device
+
+def test_vllm_pattern_example_with_device_kv_caches():
+    """examples/python/vllm_pattern.py --memory emulated: prefill and decode
+    in two processes, each KV cache one DeviceBuffer per layer registered as
+    "cuda:0"; decode checks every block's bytes through the copy engine."""
+    example = Path(__file__).resolve().parents[2] / "examples" / "python" / "vllm_pattern.py"
+    done = subprocess.run([sys.executable, str(example), "--memory", "emulated"],
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert "emulated memory on both sides" in done.stdout, done.stdout
+    assert "results {0}, blocks with wrong bytes: 0" in done.stdout, done.stdout
