@@ -166,6 +166,35 @@ TEST_CASE("store client: bad input gets its error and leaves nothing behind") {
   CHECK(is_pattern(a.work.data(), size, 6, 0));
 }
 
+TEST_CASE("store client: a get whose read lease ran out before its read finished is refused") {
+  // A lease of 0 ms has always run out by the time the bytes are in: the
+  // master grants it when it answers, the read comes after.
+  store::master_config cfg;
+  cfg.lease_ttl = std::chrono::milliseconds{0};
+  rig r(2, cfg);
+  member a(r, 4u << 20);
+  member b(r, 0);
+  REQUIRE(a.put("leased", 0, 65'536, 11) == std::error_code{});
+  std::uint64_t size = 1;
+  CHECK(b.get("leased", 0, b.work.size(), size) == kvlink::store_errc::lease_expired);
+  CHECK(size == 0);
+  CHECK(kvlink::mooncake_code(kvlink::store_errc::lease_expired) == -707);
+  // From its own segment too (a memcpy, no engine), and in a batch: per key.
+  CHECK(a.get("leased", 0, a.work.size(), size) == kvlink::store_errc::lease_expired);
+  const std::vector<std::string_view> keys{"leased", "missing"};
+  const std::vector<void*> bufs{b.work.data(), b.work.data() + 65'536};
+  const std::vector<std::uint64_t> caps{65'536, 65'536};
+  std::vector<std::uint64_t> sizes(2, 7);
+  std::vector<std::error_code> results(2);
+  CHECK(error_of([&](auto h) { b.client.async_get_batch(keys, bufs, caps, sizes, results, h); }) ==
+        std::error_code{});
+  CHECK(results[0] == kvlink::store_errc::lease_expired);
+  CHECK(results[1] == kvlink::store_errc::object_not_found);
+  CHECK(sizes == std::vector<std::uint64_t>{0, 0});
+  // The object itself is intact: a master with a lease to give serves it.
+  CHECK(b.client.async_exists("leased", asio::use_future).get());
+}
+
 TEST_CASE("store client: replicas on distinct segments; batches with results in order") {
   rig r;
   member a(r, 4u << 20);
