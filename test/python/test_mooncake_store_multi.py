@@ -8,12 +8,15 @@ holds the pool's memory, every byte checked."""
 import concurrent.futures
 import dataclasses
 import json
+import os
+import subprocess
+import sys
 
 import numpy as np
 import pytest
 
 from kvlink.mooncake_store import MooncakeConfig, MooncakeDistributedStore, ReplicateConfig
-from store_support import WAIT, StorePeer, start_master, stop
+from store_support import HERE, WAIT, StorePeer, start_master, stop
 
 LAYERS, BLOCKS, PIECE = 4, 16, 512  # a paged KV cache: [layer][k|v][block] pieces
 BLOCK_BYTES = LAYERS * 2 * PIECE
@@ -282,3 +285,16 @@ def test_config_from_file_and_environment(master, tmp_path, monkeypatch):
     assert s.setup(dataclasses.asdict(cfg)) == 0
     assert s.health_check() == 0
     assert s.close() == 0
+
+
+def test_vllm_store_pattern_example_runs():
+    """examples/python/vllm_store_pattern.py, as a user runs it (ctest does
+    not register it: this test does)."""
+    if not os.environ.get("KVLINK_MASTER"):
+        pytest.skip("KVLINK_MASTER (the kvlink-master program) is not set")
+    example = HERE.parent.parent / "examples" / "python" / "vllm_store_pattern.py"
+    out = subprocess.run([sys.executable, str(example)], capture_output=True, text=True,
+                         timeout=3 * WAIT, env=os.environ.copy())
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert "every byte as prefill wrote it" in out.stdout
+    assert "prefix hit 24 of 32 blocks" in out.stdout
