@@ -22,11 +22,11 @@ health_check, put, get, get_size, put_batch, get_batch, put_parts,
 put_from, get_into, batch_put_from, batch_get_into,
 batch_put_from_multi_buffers, batch_get_into_multi_buffers (through a
 registered staging buffer: kvlink's client moves one contiguous range per
-object), register_buffer, unregister_buffer, is_exist, batch_is_exist,
-remove, batch_remove, remove_all. Not offered: setup_dummy (it needs a
-kvlink-store-client process that holds the segment for the ranks of a
-host, which kvlink does not have yet), buffer handles (get_buffer,
-batch_get_buffer), replica descriptors (batch_get_replica_desc: the
+object), get_buffer and batch_get_buffer (BufferHandle: the bytes copied
+into memory of the call), register_buffer, unregister_buffer, is_exist,
+batch_is_exist, remove, batch_remove, remove_all. Not offered: setup_dummy
+(it needs a kvlink-store-client process that holds the segment for the
+ranks of a host, which kvlink does not have yet), replica descriptors (batch_get_replica_desc: the
 client does not expose the master's replica lists), SSD offload, tenants
 other than "default", and ReplicateConfig.preferred_segment(s), which is
 accepted and logged but not used (kvlink places by segment id).
@@ -46,7 +46,7 @@ from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple
 
 from . import Error, StoreClient, _error
 
-__all__ = ["MooncakeConfig", "MooncakeDistributedStore", "ReplicateConfig"]
+__all__ = ["BufferHandle", "MooncakeConfig", "MooncakeDistributedStore", "ReplicateConfig"]
 
 log = logging.getLogger("kvlink.mooncake.store")
 
@@ -247,6 +247,21 @@ class _Staging:
             self._free.clear()
 
 
+class BufferHandle(bytearray):
+    """An object's bytes as get_buffer/batch_get_buffer give them
+    (Mooncake's BufferHandle): the buffer protocol (a bytearray: numpy,
+    torch.frombuffer and memoryview read it in place), ptr() its address
+    and size() its length, both valid while the handle lives."""
+
+    def ptr(self) -> int:
+        if not self:
+            return 0
+        return ctypes.addressof((ctypes.c_char * len(self)).from_buffer(self))
+
+    def size(self) -> int:
+        return len(self)
+
+
 class MooncakeDistributedStore:
     """Mooncake's store client over kvlink (see the module's doc)."""
 
@@ -258,6 +273,7 @@ class MooncakeDistributedStore:
         self._buffers: Dict[int, Tuple[int, int]] = {}
         self._ranges: List[Tuple[int, int]] = []
         self._staging = _Staging()
+        self._guess = 1 << 20  # batch_get_buffer's first capacity per key
 
     # -- life
     def setup(self, local_hostname: Any, metadata_server: Optional[str] = None,
@@ -448,6 +464,66 @@ class MooncakeDistributedStore:
 
     def get_batch(self, keys: List[str]) -> List[bytes]:
         return [self.get(k) for k in keys]
+
+    def get_buffer(self, key: str) -> Optional[BufferHandle]:
+        """The object's bytes in a BufferHandle; None when it is missing or
+        the get failed (the reason on the logger)."""
+        return self.batch_get_buffer([key])[0]
+
+    def batch_get_buffer(self, keys: List[str]) -> List[Optional[BufferHandle]]:
+        """One BufferHandle per key, in input order, None for a key that is
+        missing or failed. One batched get into buffers as big as the
+        biggest object the last call saw (at most 256 MiB for the batch);
+        the keys whose objects are bigger are read once more, each into a
+        buffer of its size (get_size). Copies: the bytes land in memory
+        this call allocates, not in the pool's."""
+        try:
+            store = self._s()
+            keys = list(keys)
+            if not all(isinstance(k, str) for k in keys):
+                raise TypeError("batch_get_buffer: keys must be strings")
+        except Exception as e:  # noqa: BLE001
+            _code(e, "batch_get_buffer")
+            return [None] * (len(keys) if isinstance(keys, list) else 0)
+        if not keys:
+            return []
+        # At most 256 MiB of first guesses per call.
+        guess = max(4096, min(self._guess, (256 << 20) // len(keys)))
+        out: List[Optional[BufferHandle]] = [None] * len(keys)
+        handles = [BufferHandle(guess) for _ in keys]
+        try:
+            got = store.get_batch(keys, handles)
+        except Exception as e:  # noqa: BLE001
+            _code(e, "batch_get_buffer")
+            return out
+        again = []
+        for i, n in enumerate(got):
+            if n >= 0:
+                del handles[i][n:]
+                out[i] = handles[i]
+            elif n == -10:  # bigger than the guess
+                again.append(i)
+            else:
+                log.warning("batch_get_buffer '%s': %d", keys[i], n)
+        for i in again:
+            size = self.get_size(keys[i])
+            if size < 0:
+                continue
+            handle = BufferHandle(size)
+            try:
+                n = store.get_batch([keys[i]], [handle])[0]
+            except Exception as e:  # noqa: BLE001
+                _code(e, f"batch_get_buffer '{keys[i]}'")
+                continue
+            if n >= 0:
+                del handle[n:]
+                out[i] = handle
+            else:
+                log.warning("batch_get_buffer '%s': %d", keys[i], n)
+        sizes = [len(h) for h in out if h is not None]
+        if sizes:
+            self._guess = min(max(max(sizes), 4096), 64 << 20)
+        return out
 
     def get_size(self, key: str) -> int:
         try:
