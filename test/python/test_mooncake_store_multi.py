@@ -298,3 +298,84 @@ def test_vllm_store_pattern_example_runs():
     assert out.returncode == 0, out.stdout + out.stderr
     assert "every byte as prefill wrote it" in out.stdout
     assert "prefix hit 24 of 32 blocks" in out.stdout
+
+
+def test_owner_killed_gets_fail_and_write_nothing():
+    """The process holding an object's bytes dies: gets of it fail (a
+    negative code, b"" for get) and write nothing; a new put fails and
+    leaves no object behind."""
+    proc, address = start_master()
+    try:
+        holder = StorePeer(address, 4 << 20)  # the pool's only memory
+        s = MooncakeDistributedStore()
+        assert s.setup("127.0.0.1", "P2PHANDSHAKE", 0, 0, "tcp", "", address) == 0
+        data = np.random.default_rng(40).integers(0, 256, 25600, dtype=np.uint8).tobytes()
+        assert s.put("owned", data) == 0
+        arena = np.zeros(1 << 16, np.uint8)
+        base = arena.ctypes.data
+        assert s.register_buffer(base, arena.nbytes) == 0
+        assert s.get_into("owned", base, arena.nbytes) == len(data)
+        assert arena[:len(data)].tobytes() == data
+        holder.proc.kill()
+        holder.proc.wait(timeout=WAIT)
+        arena[:] = 7
+        assert s.get_into("owned", base, arena.nbytes) < 0
+        assert s.get("owned") == b""
+        assert s.batch_get_into_multi_buffers(["owned"], [[base, base + 4096]],
+                                              [[4096, 60000]])[0] < 0
+        assert (arena == 7).all()
+        assert s.put("new", b"abc") < 0  # -200 once the master has dropped the segment
+        assert s.is_exist("new") == 0
+        assert s.close() == 0
+        holder.close()
+    finally:
+        stop(proc)
+
+
+def test_sglang_hicache_pattern(master, peer):
+    """SGLang's HiCache `mooncake` backend: setup with its transfer engine
+    passed on (kvlink's client has its own: ignored) and the SSD keywords,
+    the warm-up put/is_exist/get, the host KV pool registered once, pages
+    put with batch_put_from as "<hash>_<tp>_k" / "_v" keys, and prefix
+    semantics: the count of leading successes of batch_is_exist and
+    batch_get_into."""
+    s = MooncakeDistributedStore()
+    assert s.setup("127.0.0.1", "P2PHANDSHAKE", 8 << 20, 16 << 20, "tcp", "", master,
+                   object(), enable_ssd_offload=False, ssd_offload_path="") == 0
+    try:
+        assert s.remove_all(True) >= 0
+        warm = bytes(4096)
+        assert s.put("warmup_key_0", warm) == 0
+        assert s.is_exist("warmup_key_0") == 1 and s.get("warmup_key_0") == warm
+        page = 4096
+        pool = np.random.default_rng(50).integers(0, 256, (16, 2, page), dtype=np.uint8)
+        base = pool.ctypes.data
+        assert s.register_buffer(base, pool.nbytes) == 0
+
+        def keys(pages):
+            return [f"{p:08x}_0_{kv}" for p in pages for kv in "kv"]
+
+        def ptrs(slots):
+            return [base + (slot * 2 + kv) * page for slot in slots for kv in range(2)]
+
+        assert s.batch_put_from(keys(range(6)), ptrs(range(6)), [page] * 12) == [0] * 12
+        # Another rank (the other process) stored page 7 but not page 6.
+        theirs = {k: np.random.default_rng(51 + i).integers(0, 256, page, np.uint8).tobytes()
+                  for i, k in enumerate(keys([7]))}
+        for k, v in theirs.items():
+            assert peer.call("put", key=k, hex=v.hex()) == {"rc": 0}
+        exist = s.batch_is_exist(keys(range(8)))
+        prefix = next((i for i, e in enumerate(exist) if e != 1), len(exist))
+        assert exist == [1] * 12 + [0, 0, 1, 1] and prefix == 12
+        before = pool.copy()
+        got = s.batch_get_into(keys(range(8)), ptrs(range(8, 16)), [page] * 16)
+        assert got == [page] * 12 + [-704, -704, page, page]
+        assert np.array_equal(pool[8:14], before[0:6])
+        assert np.array_equal(pool[14], before[14])  # page 6: missing, nothing written
+        assert pool[15].tobytes() == b"".join(theirs.values())
+        for k in keys([2]):
+            want = before[2, 0 if k.endswith("_k") else 1].tobytes()
+            assert peer.call("get", key=k) == {"hex": want.hex()}
+        assert s.unregister_buffer(base) == 0
+    finally:
+        assert s.close() == 0
