@@ -568,7 +568,8 @@ class MooncakeDistributedStore:
         except Exception as e:  # noqa: BLE001
             return _code(e, "unregister_buffer")
 
-    def _pieces(self, ranges: List[Tuple[int, int]], ptrs: Any,
+    @staticmethod
+    def _pieces(ranges: List[Tuple[int, int]], starts: List[int], ptrs: Any,
                 sizes: Any) -> Optional[List[Tuple[int, int]]]:
         """(address, length) of one key's pieces when every piece lies
         inside memory given to register_buffer; None otherwise."""
@@ -578,7 +579,6 @@ class MooncakeDistributedStore:
             pieces = [(int(a), int(n)) for a, n in zip(ptrs, sizes, strict=True)]
         except (TypeError, ValueError):
             return None
-        starts = [r[0] for r in ranges]
         for addr, n in pieces:
             if addr <= 0 or n < 0:
                 return None
@@ -603,10 +603,11 @@ class MooncakeDistributedStore:
                              f"{len(all_sizes)} size lists")
         with self._lock:
             ranges = list(self._ranges)
+        starts = [r[0] for r in ranges]
         results = [0] * len(keys)
         todo = []
         for i in range(len(keys)):
-            pieces = self._pieces(ranges, all_buffer_ptrs[i], all_sizes[i])
+            pieces = self._pieces(ranges, starts, all_buffer_ptrs[i], all_sizes[i])
             if pieces is None or not isinstance(keys[i], str):
                 log.warning("%s: key %d (%r): its buffers are not all inside memory given "
                             "to register_buffer, or its lists differ in length", what, i,
