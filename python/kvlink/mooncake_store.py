@@ -1,4 +1,4 @@
-"""Mooncake's `mooncake.store` API over kvlink's store (a start).
+"""Mooncake's `mooncake.store` API over kvlink's store.
 
 `MooncakeDistributedStore` has Mooncake's method names, positional order,
 defaults and integer results for the calls below, over kvlink.StoreClient
@@ -13,27 +13,40 @@ and a `kvlink-master` (Mooncake's `mooncake_master` role):
 
 Results are Mooncake's: 0 or a negative code (-200 no space: back off;
 -704 not found; -600 bad arguments or a buffer too small; -900 the master
-not reachable), the bytes read for get_into/batch_get_into, 1/0/-1 for
-is_exist. The reason of every failure is on the "kvlink.mooncake.store"
-logger. Implemented: setup (the 7-positional form), close, get_hostname,
+not reachable), the bytes read for get_into/batch_get_into and the
+multi-buffer gets, 1/0/-1 for is_exist. The reason of every failure is on
+the "kvlink.mooncake.store" logger. Implemented: setup (the 7-positional
+form with its keywords, and the dict form), MooncakeConfig (a
+MOONCAKE_CONFIG_PATH file or MOONCAKE_* variables), close, get_hostname,
 health_check, put, get, get_size, put_batch, get_batch, put_parts,
-put_from, get_into, batch_put_from, batch_get_into, register_buffer,
-unregister_buffer, is_exist, batch_is_exist, remove, batch_remove,
-remove_all. Not yet: setup_dummy, the dict form of setup, the
-multi-buffer batches, buffers handles, replica descriptors, and
-ReplicateConfig.preferred_segment(s), which is accepted and logged but
-not used (kvlink places by segment id).
+put_from, get_into, batch_put_from, batch_get_into,
+batch_put_from_multi_buffers, batch_get_into_multi_buffers (through a
+registered staging buffer: kvlink's client moves one contiguous range per
+object), get_buffer and batch_get_buffer (BufferHandle: the bytes copied
+into memory of the call), register_buffer, unregister_buffer, is_exist,
+batch_is_exist, remove, batch_remove, remove_all. Not offered: setup_dummy
+(it needs a kvlink-store-client process that holds the segment for the
+ranks of a host, which kvlink does not have yet), replica descriptors (batch_get_replica_desc: the
+client does not expose the master's replica lists), SSD offload, tenants
+other than "default", and ReplicateConfig.preferred_segment(s), which is
+accepted and logged but not used (kvlink places by segment id).
 """
 
 from __future__ import annotations
 
+import bisect
+import ctypes
+import dataclasses
+import json
 import logging
+import os
 import re
-from typing import Any, Dict, List, Optional
+import threading
+from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple
 
 from . import Error, StoreClient, _error
 
-__all__ = ["MooncakeDistributedStore", "ReplicateConfig"]
+__all__ = ["BufferHandle", "MooncakeConfig", "MooncakeDistributedStore", "ReplicateConfig"]
 
 log = logging.getLogger("kvlink.mooncake.store")
 
@@ -86,21 +99,231 @@ def _code(e: BaseException, what: str) -> int:
     return INTERNAL_ERROR
 
 
+def _bool(value: Any) -> bool:
+    """A boolean as configs write it (True, 1, "true", "off", ...)."""
+    if isinstance(value, bool):
+        return value
+    if isinstance(value, (int, float)):
+        return bool(value)
+    if value is None:
+        return False
+    text = str(value).strip().lower()
+    if text in ("", "false", "0", "no", "off"):
+        return False
+    if text in ("true", "1", "yes", "on"):
+        return True
+    raise ValueError(f"not a boolean: {value!r}")
+
+
+DEFAULT_GLOBAL_SEGMENT_SIZE = 3355443200  # 3.125 GiB, Mooncake's MooncakeConfig default
+DEFAULT_LOCAL_BUFFER_SIZE = 1 << 30
+
+
+@dataclasses.dataclass
+class MooncakeConfig:
+    """Mooncake's client configuration (mooncake.mooncake_config's
+    MooncakeConfig): the JSON file that MOONCAKE_CONFIG_PATH names, or the
+    MOONCAKE_* variables. Sizes are ints or strings like "4GB" (binary
+    units). `dataclasses.asdict(cfg)` is a dict that setup() takes:
+
+        store.setup(dataclasses.asdict(MooncakeConfig.load_from_env()))
+    """
+
+    local_hostname: str
+    metadata_server: str
+    global_segment_size: int
+    local_buffer_size: int
+    protocol: str
+    device_name: Optional[str]
+    master_server_address: str
+    enable_ssd_offload: bool = False
+    ssd_offload_path: str = ""
+    tenant_id: str = "default"
+
+    @staticmethod
+    def from_file(file_path: str) -> "MooncakeConfig":
+        """Reads the JSON file; local_hostname, metadata_server and
+        master_server_address are required (ValueError otherwise)."""
+        with open(file_path, encoding="utf-8") as f:
+            cfg = json.load(f)
+        if not isinstance(cfg, dict):
+            raise ValueError(f"{file_path}: not a JSON object")
+        for name in ("local_hostname", "metadata_server", "master_server_address"):
+            if name not in cfg:
+                raise ValueError(f"{file_path}: missing required config field: {name}")
+        tenant = cfg.get("tenant_id")
+        path = cfg.get("ssd_offload_path")
+        return MooncakeConfig(
+            local_hostname=str(cfg["local_hostname"]),
+            metadata_server=str(cfg["metadata_server"]),
+            global_segment_size=_size(cfg.get("global_segment_size",
+                                              DEFAULT_GLOBAL_SEGMENT_SIZE)),
+            local_buffer_size=_size(cfg.get("local_buffer_size", DEFAULT_LOCAL_BUFFER_SIZE)),
+            protocol=str(cfg.get("protocol", "tcp")),
+            device_name=str(cfg.get("device_name", "") or ""),
+            master_server_address=str(cfg["master_server_address"]),
+            enable_ssd_offload=_bool(cfg.get("enable_ssd_offload", False)),
+            ssd_offload_path="" if path is None else str(path),
+            tenant_id="default" if tenant is None else str(tenant))
+
+    @staticmethod
+    def load_from_env() -> "MooncakeConfig":
+        """MOONCAKE_CONFIG_PATH's file, else MOONCAKE_MASTER and the other
+        MOONCAKE_* variables (ValueError when neither is set)."""
+        path = os.getenv("MOONCAKE_CONFIG_PATH")
+        if path is not None:
+            return MooncakeConfig.from_file(path)
+        master = os.getenv("MOONCAKE_MASTER")
+        if not master:
+            raise ValueError("neither MOONCAKE_CONFIG_PATH nor MOONCAKE_MASTER is set")
+        env = os.getenv
+        return MooncakeConfig(
+            local_hostname=env("MOONCAKE_LOCAL_HOSTNAME", "localhost"),
+            metadata_server=env("MOONCAKE_TE_META_DATA_SERVER", "P2PHANDSHAKE"),
+            global_segment_size=_size(env("MOONCAKE_GLOBAL_SEGMENT_SIZE",
+                                          str(DEFAULT_GLOBAL_SEGMENT_SIZE))),
+            local_buffer_size=_size(env("MOONCAKE_LOCAL_BUFFER_SIZE",
+                                        str(DEFAULT_LOCAL_BUFFER_SIZE))),
+            protocol=env("MOONCAKE_PROTOCOL", "tcp"),
+            device_name=env("MOONCAKE_DEVICE", ""),
+            master_server_address=master,
+            enable_ssd_offload=_bool(env("MOONCAKE_OFFLOAD_ENABLED", "false")),
+            ssd_offload_path=env("MOONCAKE_OFFLOAD_FILE_STORAGE_PATH", ""),
+            tenant_id=env("MOONCAKE_TENANT_ID", "default"))
+
+
+# setup()'s keyword for each key of the dict form; the JSON file's spellings
+# (device_name, master_server_address) are accepted beside setup()'s.
+_DICT_KEYS = {
+    "local_hostname": "local_hostname", "metadata_server": "metadata_server",
+    "global_segment_size": "global_segment_size", "local_buffer_size": "local_buffer_size",
+    "protocol": "protocol", "rdma_devices": "rdma_devices", "device_name": "rdma_devices",
+    "master_server_addr": "master_server_addr",
+    "master_server_address": "master_server_addr",
+    "enable_ssd_offload": "enable_ssd_offload", "ssd_offload_path": "ssd_offload_path",
+    "tenant_id": "tenant_id", "enable_client_http_server": "enable_client_http_server",
+    "client_http_port": "client_http_port",
+}
+
+_STAGING_CHUNK = 64 << 20  # bytes gathered per round of a multi-buffer batch
+
+
+class _Staging:
+    """Registered bytearrays that multi-buffer batches gather into and
+    scatter from: taken by one call at a time, kept for the next (at most
+    _KEEP of them), unregistered when dropped or at close. Thread-safe."""
+
+    _KEEP = 4
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._free: List[Tuple[bytearray, int, int]] = []  # (memory, address, segment)
+
+    def take(self, store: StoreClient, size: int) -> Tuple[bytearray, int, int]:
+        with self._lock:
+            fits = [s for s in self._free if len(s[0]) >= size]
+            if fits:
+                best = min(fits, key=lambda s: len(s[0]))
+                self._free.remove(best)
+                return best
+        memory = bytearray(max(size, 1 << 20))
+        address = ctypes.addressof((ctypes.c_char * len(memory)).from_buffer(memory))
+        return memory, address, store.register(memory)
+
+    def give(self, store: StoreClient, staging: Tuple[bytearray, int, int]) -> None:
+        with self._lock:
+            self._free.append(staging)
+            if len(self._free) <= self._KEEP:
+                return
+            drop = min(self._free, key=lambda s: len(s[0]))
+            self._free.remove(drop)
+        try:
+            store.unregister(drop[2])
+        except Error as e:
+            log.warning("staging: unregister: %s", e)
+
+    def clear(self) -> None:
+        with self._lock:
+            self._free.clear()
+
+
+class BufferHandle(bytearray):
+    """An object's bytes as get_buffer/batch_get_buffer give them
+    (Mooncake's BufferHandle): the buffer protocol (a bytearray: numpy,
+    torch.frombuffer and memoryview read it in place), ptr() its address
+    and size() its length, both valid while the handle lives."""
+
+    def ptr(self) -> int:
+        if not self:
+            return 0
+        return ctypes.addressof((ctypes.c_char * len(self)).from_buffer(self))
+
+    def size(self) -> int:
+        return len(self)
+
+
 class MooncakeDistributedStore:
     """Mooncake's store client over kvlink (see the module's doc)."""
 
     def __init__(self) -> None:
         self._store: Optional[StoreClient] = None
-        self._buffers: Dict[int, int] = {}  # address -> kvlink segment of register_buffer
+        self._lock = threading.Lock()
+        # register_buffer's memory: address -> (kvlink segment, size), and
+        # the ranges sorted by address (for the multi-buffer batches' checks).
+        self._buffers: Dict[int, Tuple[int, int]] = {}
+        self._ranges: List[Tuple[int, int]] = []
+        self._staging = _Staging()
+        self._guess = 1 << 20  # batch_get_buffer's first capacity per key
 
     # -- life
-    def setup(self, local_hostname: str, metadata_server: str,
+    def setup(self, local_hostname: Any, metadata_server: Optional[str] = None,
               global_segment_size: Any = 16 << 20, local_buffer_size: Any = 16 << 20,
               protocol: str = "tcp", rdma_devices: str = "",
-              master_server_addr: str = "127.0.0.1:50051", engine: Any = None) -> int:
+              master_server_addr: str = "127.0.0.1:50051", engine: Any = None,
+              enable_ssd_offload: bool = False, ssd_offload_path: str = "",
+              tenant_id: str = "default", enable_client_http_server: bool = False,
+              client_http_port: int = 9300) -> int:
         """Connects to the master at master_server_addr ("host:port") with
         an engine listening on local_hostname's address, and mounts
-        global_segment_size bytes (0: none, a pure requester). 0 or -1."""
+        global_segment_size bytes (0: none, a pure requester). 0 or -1.
+
+        Also setup(config: dict), Mooncake's dict form: the keys are the
+        keywords above (values as ints, bools or strings; sizes like
+        "4GB"), with the JSON file's spellings device_name and
+        master_server_address too; local_hostname, metadata_server and the
+        master are required; other keys are ignored (LMCache passes its
+        own). The metadata server is not used: kvlink's master tells the
+        clients where each other's memory is. -1, with the reason logged,
+        for what kvlink does not do: an etcd master, a protocol other than
+        tcp/rdma, enable_ssd_offload, a tenant other than "default", the
+        client HTTP server."""
+        if isinstance(local_hostname, Mapping):
+            if metadata_server is not None:
+                log.error("setup: a dict, or the positional form, not both")
+                return INTERNAL_ERROR
+            args: Dict[str, Any] = {}
+            for key, value in local_hostname.items():
+                if key in _DICT_KEYS:
+                    args[_DICT_KEYS[key]] = value
+            for need in ("local_hostname", "metadata_server", "master_server_addr"):
+                if need not in args:
+                    log.error("setup: the config has no %s", need)
+                    return INTERNAL_ERROR
+            try:
+                for flag in ("enable_ssd_offload", "enable_client_http_server"):
+                    if flag in args:
+                        args[flag] = _bool(args[flag])
+            except ValueError as e:
+                log.error("setup: %s", e)
+                return INTERNAL_ERROR
+            for text in ("local_hostname", "metadata_server", "protocol", "rdma_devices",
+                         "master_server_addr", "ssd_offload_path", "tenant_id"):
+                if text in args:
+                    args[text] = "" if args[text] is None else str(args[text])
+            return self.setup(args.pop("local_hostname"), args.pop("metadata_server"), **args)
+        if metadata_server is None:
+            log.error("setup: metadata_server is required (\"P2PHANDSHAKE\" will do)")
+            return INTERNAL_ERROR
         if self._store is not None:
             log.error("setup: already set up")
             return INTERNAL_ERROR
@@ -110,17 +333,32 @@ class MooncakeDistributedStore:
         except ValueError as e:
             log.error("setup: %s", e)
             return INTERNAL_ERROR
+        if segment < 0:
+            log.error("setup: global_segment_size %d", segment)
+            return INTERNAL_ERROR
         if engine is not None:
             log.warning("setup: engine= is not used: kvlink's store client has an engine of "
                         "its own")
-        if master_server_addr.startswith("etcd://"):
+        if enable_ssd_offload:
+            log.error("setup: enable_ssd_offload: kvlink's store has no SSD tier")
+            return INTERNAL_ERROR
+        if tenant_id != "default":
+            log.error("setup: tenant %r: kvlink's store has one tenant, \"default\"", tenant_id)
+            return INTERNAL_ERROR
+        if enable_client_http_server:
+            log.error("setup: enable_client_http_server: kvlink's client serves no HTTP")
+            return INTERNAL_ERROR
+        if not isinstance(master_server_addr, str) or "://" in master_server_addr:
             log.error("setup: master %s: kvlink finds its master by host:port only",
                       master_server_addr)
             return INTERNAL_ERROR
         if protocol not in ("tcp", "rdma"):
             log.error("setup: protocol %r: kvlink offers tcp and rdma", protocol)
             return INTERNAL_ERROR
-        host = local_hostname  # its port, where it has one; any otherwise
+        host = str(local_hostname)  # its port, where it has one; any otherwise
+        if not host:
+            log.error("setup: local_hostname is empty")
+            return INTERNAL_ERROR
         if host.count(":") > 1 and not host.startswith("["):
             host = f"[{host}]:0"  # a bare IPv6 address
         elif not re.search(r":\d+$", host):
@@ -142,7 +380,10 @@ class MooncakeDistributedStore:
         if self._store is not None:
             self._store.close()
             self._store = None
-        self._buffers.clear()
+        with self._lock:
+            self._buffers.clear()
+            self._ranges = []
+        self._staging.clear()  # close() unregistered their memory
         return 0
 
     def get_hostname(self) -> str:
@@ -224,6 +465,66 @@ class MooncakeDistributedStore:
     def get_batch(self, keys: List[str]) -> List[bytes]:
         return [self.get(k) for k in keys]
 
+    def get_buffer(self, key: str) -> Optional[BufferHandle]:
+        """The object's bytes in a BufferHandle; None when it is missing or
+        the get failed (the reason on the logger)."""
+        return self.batch_get_buffer([key])[0]
+
+    def batch_get_buffer(self, keys: List[str]) -> List[Optional[BufferHandle]]:
+        """One BufferHandle per key, in input order, None for a key that is
+        missing or failed. One batched get into buffers as big as the
+        biggest object the last call saw (at most 256 MiB for the batch);
+        the keys whose objects are bigger are read once more, each into a
+        buffer of its size (get_size). Copies: the bytes land in memory
+        this call allocates, not in the pool's."""
+        try:
+            store = self._s()
+            keys = list(keys)
+            if not all(isinstance(k, str) for k in keys):
+                raise TypeError("batch_get_buffer: keys must be strings")
+        except Exception as e:  # noqa: BLE001
+            _code(e, "batch_get_buffer")
+            return [None] * (len(keys) if isinstance(keys, list) else 0)
+        if not keys:
+            return []
+        # At most 256 MiB of first guesses per call.
+        guess = max(4096, min(self._guess, (256 << 20) // len(keys)))
+        out: List[Optional[BufferHandle]] = [None] * len(keys)
+        handles = [BufferHandle(guess) for _ in keys]
+        try:
+            got = store.get_batch(keys, handles)
+        except Exception as e:  # noqa: BLE001
+            _code(e, "batch_get_buffer")
+            return out
+        again = []
+        for i, n in enumerate(got):
+            if n >= 0:
+                del handles[i][n:]
+                out[i] = handles[i]
+            elif n == -10:  # bigger than the guess
+                again.append(i)
+            else:
+                log.warning("batch_get_buffer '%s': %d", keys[i], n)
+        for i in again:
+            size = self.get_size(keys[i])
+            if size < 0:
+                continue
+            handle = BufferHandle(size)
+            try:
+                n = store.get_batch([keys[i]], [handle])[0]
+            except Exception as e:  # noqa: BLE001
+                _code(e, f"batch_get_buffer '{keys[i]}'")
+                continue
+            if n >= 0:
+                del handle[n:]
+                out[i] = handle
+            else:
+                log.warning("batch_get_buffer '%s': %d", keys[i], n)
+        sizes = [len(h) for h in out if h is not None]
+        if sizes:
+            self._guess = min(max(max(sizes), 4096), 64 << 20)
+        return out
+
     def get_size(self, key: str) -> int:
         try:
             return self._s()._core.get_size(key)
@@ -246,21 +547,210 @@ class MooncakeDistributedStore:
     # -- memory
     def register_buffer(self, buffer_ptr: int, size: int) -> int:
         try:
-            self._buffers[buffer_ptr] = self._s()._core.register(buffer_ptr, size)
-            return 0
+            seg = self._s()._core.register(buffer_ptr, size)
         except Exception as e:  # noqa: BLE001
             return _code(e, "register_buffer")
+        with self._lock:
+            self._buffers[buffer_ptr] = (seg, size)
+            self._ranges = sorted((a, a + n) for a, (_, n) in self._buffers.items())
+        return 0
 
     def unregister_buffer(self, buffer_ptr: int) -> int:
-        seg = self._buffers.pop(buffer_ptr, None)
-        if seg is None:
+        with self._lock:
+            entry = self._buffers.pop(buffer_ptr, None)
+            self._ranges = sorted((a, a + n) for a, (_, n) in self._buffers.items())
+        if entry is None:
             log.warning("unregister_buffer: %#x was not registered", buffer_ptr)
             return INVALID_PARAMS
         try:
-            self._s().unregister(seg)
+            self._s().unregister(entry[0])
             return 0
         except Exception as e:  # noqa: BLE001
             return _code(e, "unregister_buffer")
+
+    @staticmethod
+    def _pieces(ranges: List[Tuple[int, int]], starts: List[int], ptrs: Any,
+                sizes: Any) -> Optional[List[Tuple[int, int]]]:
+        """(address, length) of one key's pieces when every piece lies
+        inside memory given to register_buffer; None otherwise."""
+        if isinstance(ptrs, (str, bytes)) or isinstance(sizes, (str, bytes)):
+            return None
+        try:
+            pieces = [(int(a), int(n)) for a, n in zip(ptrs, sizes, strict=True)]
+        except (TypeError, ValueError):
+            return None
+        for addr, n in pieces:
+            if addr <= 0 or n < 0:
+                return None
+            i = bisect.bisect_right(starts, addr) - 1
+            if i >= 0 and addr + n <= ranges[i][1]:
+                continue
+            # Overlapping registrations: any one range holding the piece will do.
+            if not any(lo <= addr and addr + n <= hi for lo, hi in ranges):
+                return None
+        return pieces
+
+    def _plan(self, what: str, keys: Sequence[str], all_buffer_ptrs: Any,
+              all_sizes: Any) -> Tuple[List[int], List[Tuple[int, List[Tuple[int, int]]]]]:
+        """Per-key results so far (-600 for a key whose pieces are not all
+        inside registered memory, or whose lists differ in length) and the
+        keys to move: (index, pieces)."""
+        if isinstance(keys, (str, bytes)):
+            raise TypeError(f"{what}: keys must be a list of strings")
+        keys = list(keys)
+        if len(all_buffer_ptrs) != len(keys) or len(all_sizes) != len(keys):
+            raise ValueError(f"{what}: {len(keys)} keys, {len(all_buffer_ptrs)} pointer lists, "
+                             f"{len(all_sizes)} size lists")
+        with self._lock:
+            ranges = list(self._ranges)
+        starts = [r[0] for r in ranges]
+        results = [0] * len(keys)
+        todo = []
+        for i in range(len(keys)):
+            pieces = self._pieces(ranges, starts, all_buffer_ptrs[i], all_sizes[i])
+            if pieces is None or not isinstance(keys[i], str):
+                log.warning("%s: key %d (%r): its buffers are not all inside memory given "
+                            "to register_buffer, or its lists differ in length", what, i,
+                            keys[i])
+                results[i] = INVALID_PARAMS
+            else:
+                todo.append((i, pieces))
+        return results, todo
+
+    @staticmethod
+    def _rounds(todo: List[Tuple[int, List[Tuple[int, int]]]]) -> Any:
+        """The keys in rounds of at most _STAGING_CHUNK bytes (a bigger key alone)."""
+        batch: List[Tuple[int, List[Tuple[int, int]]]] = []
+        total = 0
+        for item in todo:
+            n = sum(length for _, length in item[1])
+            if batch and total + n > _STAGING_CHUNK:
+                yield batch, total
+                batch, total = [], 0
+            batch.append(item)
+            total += n
+        if batch:
+            yield batch, total
+
+    # -- multi-buffer batches (vLLM's MooncakeStoreConnector)
+    def batch_put_from_multi_buffers(self, keys: List[str], all_buffer_ptrs: List[List[int]],
+                                     all_sizes: List[List[int]],
+                                     config: Optional[ReplicateConfig] = None) -> List[int]:
+        """Puts, under keys[i], one object made of the pieces
+        all_buffer_ptrs[i][j] (all_sizes[i][j] bytes each), in that order:
+        vLLM's per-layer K/V pieces of one block gathered into one object.
+        One int per key, in input order: 0, or -600 (the pieces are not all
+        inside memory given to register_buffer, or its two lists differ in
+        length, or they hold no bytes: nothing is put for that key),
+        -200 (no space), ... A whole batch of -600 when the three lists
+        differ in length.
+
+        kvlink's client puts one contiguous range per object, so the pieces
+        are gathered (one memcpy each, host memory) into a registered
+        staging buffer, at most 64 MiB of keys per round, and put from there
+        zero-copy; the staging buffers are kept for the next call."""
+        try:
+            store = self._s()
+            results, todo = self._plan("batch_put_from_multi_buffers", keys,
+                                       all_buffer_ptrs, all_sizes)
+            placement = self._placement(config)
+        except Exception as e:  # noqa: BLE001
+            return [_code(e, "batch_put_from_multi_buffers")] * len(keys)
+        for i, pieces in list(todo):
+            if not any(n for _, n in pieces):
+                log.warning("batch_put_from_multi_buffers: '%s': no bytes", keys[i])
+                results[i] = INVALID_PARAMS
+        todo = [t for t in todo if results[t[0]] == 0]
+        for batch, total in self._rounds(todo):
+            try:
+                staging = self._staging.take(store, total)
+            except Exception as e:  # noqa: BLE001
+                code = _code(e, "batch_put_from_multi_buffers: staging")
+                for i, _ in batch:
+                    results[i] = code
+                continue
+            try:
+                base = staging[1]
+                offset = 0
+                addresses, sizes = [], []
+                for _, pieces in batch:
+                    start = offset
+                    for addr, n in pieces:
+                        ctypes.memmove(base + offset, addr, n)
+                        offset += n
+                    addresses.append(base + start)
+                    sizes.append(offset - start)
+                try:
+                    codes = store.put_batch([keys[i] for i, _ in batch], addresses=addresses,
+                                            sizes=sizes, **placement)
+                except Exception as e:  # noqa: BLE001
+                    codes = [_code(e, "batch_put_from_multi_buffers")] * len(batch)
+                for (i, _), c in zip(batch, codes):
+                    results[i] = self._put_code(c)
+            finally:
+                self._staging.give(store, staging)
+        return results
+
+    def batch_get_into_multi_buffers(self, keys: List[str], all_buffer_ptrs: List[List[int]],
+                                     all_sizes: List[List[int]],
+                                     prefer_alloc_in_same_node: bool = False) -> List[int]:
+        """Reads keys[i] and scatters its bytes over the pieces
+        all_buffer_ptrs[i][j] (all_sizes[i][j] bytes each), in order, the
+        last one filled only as far as the object goes: vLLM's load of one
+        block's K/V pieces into other block ids. One int per key, in input
+        order: the object's size, or -600 (the pieces are not all inside
+        memory given to register_buffer, or hold fewer bytes than the
+        object: nothing is written for that key), -704 (not found), ...
+        A whole batch of -600 when the three lists differ in length.
+
+        Read through a registered staging buffer (see
+        batch_put_from_multi_buffers), then one memcpy per piece.
+        prefer_alloc_in_same_node is accepted and has no effect: kvlink's
+        client reads the replica the master lists first."""
+        try:
+            store = self._s()
+            results, todo = self._plan("batch_get_into_multi_buffers", keys,
+                                       all_buffer_ptrs, all_sizes)
+        except Exception as e:  # noqa: BLE001
+            return [_code(e, "batch_get_into_multi_buffers")] * len(keys)
+        for batch, total in self._rounds(todo):
+            try:
+                staging = self._staging.take(store, total)
+            except Exception as e:  # noqa: BLE001
+                code = _code(e, "batch_get_into_multi_buffers: staging")
+                for i, _ in batch:
+                    results[i] = code
+                continue
+            try:
+                base = staging[1]
+                addresses, capacities = [], []
+                offset = 0
+                for _, pieces in batch:
+                    n = sum(length for _, length in pieces)
+                    addresses.append(base + offset)
+                    capacities.append(n)
+                    offset += n
+                try:
+                    got = store.get_batch([keys[i] for i, _ in batch], addresses=addresses,
+                                          capacities=capacities)
+                except Exception as e:  # noqa: BLE001
+                    got = [_code(e, "batch_get_into_multi_buffers")] * len(batch)
+                for (i, pieces), src, n in zip(batch, addresses, got):
+                    if n < 0:
+                        results[i] = INVALID_PARAMS if n == -10 else n
+                        continue
+                    left = n
+                    for addr, length in pieces:
+                        if left <= 0:
+                            break
+                        step = min(length, left)
+                        ctypes.memmove(addr, src, step)
+                        src += step
+                        left -= step
+                    results[i] = n
+            finally:
+                self._staging.give(store, staging)
+        return results
 
     # -- exists and remove
     def is_exist(self, key: str) -> int:

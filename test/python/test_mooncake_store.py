@@ -3,6 +3,8 @@ gives through the alias) against a real kvlink-master (KVLINK_MASTER, set by
 ctest; skipped without it) and a second process that mounts the pool's
 memory, with Mooncake's integer results and every byte checked."""
 
+import ctypes
+
 import numpy as np
 import pytest
 
@@ -120,3 +122,23 @@ def test_setup_failures_give_minus_one(master):
     assert s.setup("127.0.0.1", "P2PHANDSHAKE", 0, 0, "tcp", "", master) == 0
     assert s.setup("127.0.0.1", "P2PHANDSHAKE", 0, 0, "tcp", "", master) == -1  # twice
     assert s.close() == 0
+
+
+def test_get_buffer_and_batch_get_buffer(store, peer):
+    small, big = blob(5000, 21), blob((3 << 20) + 17, 22)  # big: past the first guess
+    assert peer.call("put", key="buf/small", hex=small.hex()) == {"rc": 0}
+    assert store.put("buf/big", big) == 0
+    assert store.put("buf/empty-ish", b"x") == 0
+    hs = store.batch_get_buffer(["buf/big", "buf/missing", "buf/small", "buf/empty-ish"])
+    assert hs[1] is None
+    for h, want in ((hs[0], big), (hs[2], small), (hs[3], b"x")):
+        assert bytes(h) == want and len(h) == h.size() == len(want)
+        assert ctypes.string_at(h.ptr(), h.size()) == want   # ptr() is where the bytes are
+        assert np.frombuffer(h, np.uint8).tobytes() == want  # the buffer protocol, in place
+    # Again, after a call that saw the big one.
+    again = store.batch_get_buffer(["buf/small", "buf/big"])
+    assert [bytes(h) for h in again] == [small, big]
+    assert bytes(store.get_buffer("buf/small")) == small
+    assert store.get_buffer("buf/missing") is None
+    assert store.batch_get_buffer([]) == []
+    assert MooncakeDistributedStore().batch_get_buffer(["buf/small"]) == [None]
