@@ -9,6 +9,7 @@ import re
 import signal
 import subprocess
 import sys
+import tempfile
 import threading
 from pathlib import Path
 
@@ -53,13 +54,17 @@ def start_master(*extra: str) -> tuple:
         pytest.skip("KVLINK_MASTER (the kvlink-master program) is not set")
     if not os.access(path, os.X_OK):
         pytest.fail(f"KVLINK_MASTER={path} is not a program: build the kvlink-master target")
+    # Its log goes to a file: a pipe nobody reads would stop it once full.
+    log = tempfile.TemporaryFile(mode="w+")
     proc = subprocess.Popen([path, "--listen", "127.0.0.1:0", "--threads", "2", *extra],
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                            stdout=subprocess.PIPE, stderr=log, text=True)
     line = LineReader(proc.stdout).next("kvlink-master's ready line")
     m = re.match(r"kvlink-master: listening on (\S+)", line)
     if not m:
         stop(proc)
-        pytest.fail(f"kvlink-master: unexpected ready line {line!r}: {proc.stderr.read()}")
+        log.seek(0)
+        pytest.fail(f"kvlink-master: unexpected ready line {line!r}: {log.read()}")
+    log.close()  # the master keeps its own descriptor
     return proc, m.group(1)
 
 
@@ -89,3 +94,36 @@ class StorePeer:
             self.call("quit")
             self.proc.wait(timeout=WAIT)
         stop(self.proc)
+
+
+# Fixtures the store's test modules import (pytest finds a fixture imported
+# into a test module as if it were defined there).
+
+@pytest.fixture(scope="module")
+def master():
+    """A kvlink-master process for the test module: its address."""
+    proc, address = start_master()
+    yield address
+    stop(proc)
+
+
+@pytest.fixture(scope="module")
+def peer(master, request):
+    """A second process that mounts the module's PEER_SEGMENT bytes (8 MiB
+    where the module names none)."""
+    p = StorePeer(master, getattr(request.module, "PEER_SEGMENT", 8 << 20))
+    yield p
+    p.close()
+
+
+@pytest.fixture
+def mooncake_store(master, peer):
+    """A MooncakeDistributedStore that is a pure requester (no segment of its
+    own: every object's bytes live in the peer process), the pool emptied."""
+    from kvlink.mooncake_store import MooncakeDistributedStore
+
+    s = MooncakeDistributedStore()
+    assert s.setup("127.0.0.1", "P2PHANDSHAKE", 0, 16 << 20, "tcp", "", master) == 0
+    assert s.remove_all(True) >= 0
+    yield s
+    assert s.close() == 0

@@ -6,34 +6,10 @@ memory, with Mooncake's integer results and every byte checked."""
 import ctypes
 
 import numpy as np
-import pytest
 
 from kvlink.mooncake_store import MooncakeDistributedStore, ReplicateConfig
-from store_support import StorePeer, start_master, stop
-
-
-@pytest.fixture(scope="module")
-def master():
-    proc, address = start_master()
-    yield address
-    stop(proc)
-
-
-@pytest.fixture(scope="module")
-def peer(master):
-    p = StorePeer(master, 8 << 20)
-    yield p
-    p.close()
-
-
-@pytest.fixture
-def store(master, peer):
-    s = MooncakeDistributedStore()
-    # A pure requester (no segment of its own): every byte goes to the peer.
-    assert s.setup("127.0.0.1", "P2PHANDSHAKE", 0, 16 << 20, "tcp", "", master) == 0
-    assert s.remove_all(True) >= 0
-    yield s
-    assert s.close() == 0
+from store_support import master, peer, start_master, stop  # noqa: F401 (fixtures)
+from store_support import mooncake_store as store  # noqa: F401 (a fixture)
 
 
 def blob(n: int, seed: int) -> bytes:

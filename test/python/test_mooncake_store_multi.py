@@ -16,34 +16,12 @@ import numpy as np
 import pytest
 
 from kvlink.mooncake_store import MooncakeConfig, MooncakeDistributedStore, ReplicateConfig
-from store_support import HERE, WAIT, StorePeer, start_master, stop
+from store_support import HERE, WAIT, StorePeer, master, peer, start_master, stop  # noqa: F401
+from store_support import mooncake_store as store  # noqa: F401 (a fixture)
 
+PEER_SEGMENT = 16 << 20  # the peer process's segment (the peer fixture)
 LAYERS, BLOCKS, PIECE = 4, 16, 512  # a paged KV cache: [layer][k|v][block] pieces
 BLOCK_BYTES = LAYERS * 2 * PIECE
-
-
-@pytest.fixture(scope="module")
-def master():
-    proc, address = start_master()
-    yield address
-    stop(proc)
-
-
-@pytest.fixture(scope="module")
-def peer(master):
-    p = StorePeer(master, 16 << 20)
-    yield p
-    p.close()
-
-
-@pytest.fixture
-def store(master, peer):
-    s = MooncakeDistributedStore()
-    # A pure requester: every object's bytes live in the peer process.
-    assert s.setup("127.0.0.1", "P2PHANDSHAKE", 0, 16 << 20, "tcp", "", master) == 0
-    assert s.remove_all(True) >= 0
-    yield s
-    assert s.close() == 0
 
 
 class KvCache:

@@ -9,23 +9,9 @@ import numpy as np
 import pytest
 
 import kvlink
-from store_support import WAIT, StorePeer, start_master, stop
+from store_support import WAIT, master, peer, start_master, stop  # noqa: F401 (fixtures)
 
 PEER_SEGMENT = 8 << 20
-
-
-@pytest.fixture(scope="module")
-def master():
-    proc, address = start_master()
-    yield address
-    stop(proc)
-
-
-@pytest.fixture(scope="module")
-def peer(master):
-    p = StorePeer(master, PEER_SEGMENT)
-    yield p
-    p.close()
 
 
 @pytest.fixture(scope="module")
