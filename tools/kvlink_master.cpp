@@ -8,13 +8,31 @@
 // flags above. `kvlink-master --help` lists every setting. When it is ready
 // it prints one line, "kvlink-master: listening on ADDR (http ADDR|off)", to
 // stdout; SIGINT or SIGTERM closes it cleanly (exit 0).
+//
+// mooncake_master's flag names are accepted too, with its units, for what
+// kvlink's master does (a deployment's command line carries over):
+//   --port / --rpc_port N, --rpc_address H   -> store_listen H:N
+//   --metrics_port N                         -> store_http_listen 0.0.0.0:N
+//   --rpc_thread_num / --max_threads N       -> --threads
+//   --default_kv_lease_ttl, --default_kv_soft_pin_ttl, --max_kv_soft_pin_ttl
+//                  (milliseconds, or with a unit: 500ms, 5s, 30m, 1h)
+//   --client_ttl S (seconds)                 -> store_liveness_timeout
+//   --eviction_high_watermark_ratio R, --eviction_ratio R (0..1) -> percents
+//   --allow_evict_soft_pinned_objects B      -> store_evict_soft_pinned
+//   --put_start_discard_timeout_sec S, --put_start_release_timeout_sec S
+//   --config_path F                          -> --config (JSON only)
+// --print-settings prints the settings in effect and exits.
 #include <kvlink/core/settings.hpp>
 #include <kvlink/store/master/server.hpp>
 
+#include <charconv>
+#include <chrono>
+#include <cmath>
 #include <cstdio>
 #include <exception>
 #include <fstream>
 #include <iostream>
+#include <optional>
 #include <sstream>
 #include <string>
 #include <thread>
@@ -34,6 +52,105 @@ int fail(const std::string& what) {
   return 2;
 }
 
+// gflags-style durations: milliseconds, or a number with a unit (ms, s, m, h).
+std::optional<std::chrono::milliseconds> parse_duration(const std::string& text) {
+  std::int64_t n = 0;
+  const char* end = text.data() + text.size();
+  const auto [p, ec] = std::from_chars(text.data(), end, n);
+  if (ec != std::errc{} || n < 0) return std::nullopt;
+  const std::string_view unit(p, static_cast<std::size_t>(end - p));
+  std::int64_t scale = 0;
+  if (unit.empty() || unit == "ms") scale = 1;
+  if (unit == "s") scale = 1000;
+  if (unit == "m") scale = 60'000;
+  if (unit == "h") scale = 3'600'000;
+  if (scale == 0 || n > INT64_MAX / scale) return std::nullopt;
+  return std::chrono::milliseconds{n * scale};
+}
+
+// A ratio in [0, 1] as a whole percent.
+std::optional<std::uint32_t> ratio_percent(double r) {
+  if (!(r >= 0.0 && r <= 1.0)) return std::nullopt;
+  return static_cast<std::uint32_t>(std::lround(r * 100.0));
+}
+
+// mooncake_master's flags, each set only when given.
+struct mooncake_flags {
+  std::optional<unsigned> port, metrics_port, threads;
+  std::string rpc_address = "0.0.0.0";
+  std::optional<std::string> lease_ttl, soft_pin_ttl, max_soft_pin_ttl;
+  std::optional<std::uint64_t> client_ttl_s, discard_s, release_s;
+  std::optional<double> high_watermark, eviction_ratio;
+  std::optional<bool> evict_soft_pinned;
+
+  void add_to(CLI::App& app) {
+    auto* g = app.add_option_group("mooncake_master's flags",
+                                   "the same settings under mooncake_master's names and units");
+    g->add_option("--port,--rpc_port", port, "store clients' port on --rpc_address (50051)");
+    g->add_option("--rpc_address", rpc_address, "address the port is on (0.0.0.0)");
+    g->add_option("--metrics_port", metrics_port, "HTTP /health /metrics /segments on 0.0.0.0:N");
+    g->add_option("--rpc_thread_num,--max_threads", threads, "I/O threads (as --threads)");
+    g->add_option("--default_kv_lease_ttl", lease_ttl, "read lease: ms, or 5s, 30m, ...");
+    g->add_option("--default_kv_soft_pin_ttl", soft_pin_ttl, "soft pin time: ms, or 30m, ...");
+    g->add_option("--max_kv_soft_pin_ttl", max_soft_pin_ttl, "longest soft pin: ms, or 24h, ...");
+    g->add_option("--client_ttl", client_ttl_s, "seconds a silent client keeps its segments");
+    g->add_option("--eviction_high_watermark_ratio", high_watermark, "eviction starts (0.90)");
+    g->add_option("--eviction_ratio", eviction_ratio, "share one eviction round frees (0.05)");
+    g->add_option("--allow_evict_soft_pinned_objects", evict_soft_pinned,
+                  "evict soft-pinned objects when nothing else is left (true)");
+    g->add_option("--put_start_discard_timeout_sec", discard_s, "unfinished puts discarded (30)");
+    g->add_option("--put_start_release_timeout_sec", release_s, "their space reused (600)");
+  }
+
+  // Applies what was given onto cfg and *threads; "" or what is wrong.
+  std::string apply(store::master_server_config& cfg, unsigned* threads_out) const {
+    if (port) {
+      if (*port > 65535) return "--port: " + std::to_string(*port) + " is not a port";
+      cfg.server.listen = rpc_address + ":" + std::to_string(*port);
+    }
+    if (metrics_port) {
+      if (*metrics_port > 65535) return "--metrics_port: not a port";
+      cfg.server.http_listen = "0.0.0.0:" + std::to_string(*metrics_port);
+    }
+    if (threads) *threads_out = *threads;
+    const std::pair<const std::optional<std::string>*, std::chrono::milliseconds*> durations[] = {
+        {&lease_ttl, &cfg.store.lease_ttl},
+        {&soft_pin_ttl, &cfg.store.soft_pin_ttl},
+        {&max_soft_pin_ttl, &cfg.store.max_soft_pin_ttl}};
+    for (const auto& [text, out] : durations) {
+      if (!*text) continue;
+      const auto d = parse_duration(**text);
+      if (!d) return "\"" + **text + "\" is not a duration (ms, or a number with ms, s, m or h)";
+      *out = *d;
+    }
+    if (client_ttl_s) {
+      cfg.server.liveness_timeout = std::chrono::seconds{*client_ttl_s};
+      // kvlink calls a client suspect before it is gone (Mooncake has no
+      // such state): keep that moment before the end.
+      if (cfg.server.suspect_after >= cfg.server.liveness_timeout) {
+        cfg.server.suspect_after = cfg.server.liveness_timeout / 2;
+      }
+      if (cfg.server.heartbeat_interval >= cfg.server.suspect_after) {
+        cfg.server.heartbeat_interval = cfg.server.suspect_after / 2;
+      }
+    }
+    if (high_watermark) {
+      const auto p = ratio_percent(*high_watermark);
+      if (!p) return "--eviction_high_watermark_ratio: a ratio between 0 and 1";
+      cfg.store.eviction_high_watermark = *p;
+    }
+    if (eviction_ratio) {
+      const auto p = ratio_percent(*eviction_ratio);
+      if (!p) return "--eviction_ratio: a ratio between 0 and 1";
+      cfg.store.eviction_share = *p;
+    }
+    if (evict_soft_pinned) cfg.store.evict_soft_pinned = *evict_soft_pinned;
+    if (discard_s) cfg.store.put_discard_timeout = std::chrono::seconds{*discard_s};
+    if (release_s) cfg.store.put_release_timeout = std::chrono::seconds{*release_s};
+    return {};
+  }
+};
+
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -52,6 +169,13 @@ int main(int argc, char** argv) {
   app.add_option("--threads", threads, "I/O threads (default: hardware threads, at least 2)");
   app.add_option("--auth-secret-file", secret_file,
                  "file holding the shared secret (store_auth_secret_file)");
+  bool print_settings = false;
+  app.add_flag("--print-settings", print_settings, "print the settings in effect and exit");
+  mooncake_flags mc;
+  mc.add_to(app);
+  auto* config_path = app.get_option("--config");
+  app.add_option("--config_path", config_file, "as --config (mooncake_master's name; JSON)")
+      ->excludes(config_path);
   app.footer("Settings (JSON key in --config, environment variable, default):\n" +
              kvlink::describe_settings<store::master_server_config>(table, cfg));
   CLI11_PARSE(app, argc, argv);
@@ -69,6 +193,9 @@ int main(int argc, char** argv) {
   if (kvlink::apply_env<store::master_server_config>(table, cfg, kvlink::default_getenv, &what)) {
     return fail(what);
   }
+  if (!listen.empty() && mc.port) return fail("--listen and --port/--rpc_port: give one");
+  if (!http.empty() && mc.metrics_port) return fail("--http and --metrics_port: give one");
+  if (const auto why = mc.apply(cfg, &threads); !why.empty()) return fail(why);
   if (!listen.empty()) cfg.server.listen = listen;
   if (!http.empty()) cfg.server.http_listen = http;
   if (!secret_file.empty()) {
@@ -78,6 +205,11 @@ int main(int argc, char** argv) {
   if (cfg.store.validate()) return fail("invalid store settings (see --help for their ranges)");
   if (cfg.server.validate(&what)) return fail(what);
   if (threads == 0) threads = std::max(2u, std::thread::hardware_concurrency());
+  if (print_settings) {
+    std::cout << kvlink::describe_settings<store::master_server_config>(table, cfg) << "threads "
+              << threads << "\n";
+    return 0;
+  }
 
   try {
     asio::io_context io{static_cast<int>(threads)};
