@@ -632,6 +632,25 @@ class MooncakeDistributedStore:
         if batch:
             yield batch, total
 
+    def _staged_rounds(self, store: Any, todo: List[Tuple[int, List[Tuple[int, int]]]],
+                       what: str, results: List[int]) -> Any:
+        """_rounds, each with a registered staging buffer of its size, given
+        back after the round: yields (batch, the staging's address). A round
+        whose staging cannot be had gets that error's code for each of its
+        keys and is skipped."""
+        for batch, total in self._rounds(todo):
+            try:
+                staging = self._staging.take(store, total)
+            except Exception as e:  # noqa: BLE001
+                code = _code(e, f"{what}: staging")
+                for i, _ in batch:
+                    results[i] = code
+                continue
+            try:
+                yield batch, staging[1]
+            finally:
+                self._staging.give(store, staging)
+
     # -- multi-buffer batches (vLLM's MooncakeStoreConnector)
     def batch_put_from_multi_buffers(self, keys: List[str], all_buffer_ptrs: List[List[int]],
                                      all_sizes: List[List[int]],
@@ -661,34 +680,24 @@ class MooncakeDistributedStore:
                 log.warning("batch_put_from_multi_buffers: '%s': no bytes", keys[i])
                 results[i] = INVALID_PARAMS
         todo = [t for t in todo if results[t[0]] == 0]
-        for batch, total in self._rounds(todo):
+        for batch, base in self._staged_rounds(store, todo, "batch_put_from_multi_buffers",
+                                               results):
+            offset = 0
+            addresses, sizes = [], []
+            for _, pieces in batch:
+                start = offset
+                for addr, n in pieces:
+                    ctypes.memmove(base + offset, addr, n)
+                    offset += n
+                addresses.append(base + start)
+                sizes.append(offset - start)
             try:
-                staging = self._staging.take(store, total)
+                codes = store.put_batch([keys[i] for i, _ in batch], addresses=addresses,
+                                        sizes=sizes, **placement)
             except Exception as e:  # noqa: BLE001
-                code = _code(e, "batch_put_from_multi_buffers: staging")
-                for i, _ in batch:
-                    results[i] = code
-                continue
-            try:
-                base = staging[1]
-                offset = 0
-                addresses, sizes = [], []
-                for _, pieces in batch:
-                    start = offset
-                    for addr, n in pieces:
-                        ctypes.memmove(base + offset, addr, n)
-                        offset += n
-                    addresses.append(base + start)
-                    sizes.append(offset - start)
-                try:
-                    codes = store.put_batch([keys[i] for i, _ in batch], addresses=addresses,
-                                            sizes=sizes, **placement)
-                except Exception as e:  # noqa: BLE001
-                    codes = [_code(e, "batch_put_from_multi_buffers")] * len(batch)
-                for (i, _), c in zip(batch, codes):
-                    results[i] = self._put_code(c)
-            finally:
-                self._staging.give(store, staging)
+                codes = [_code(e, "batch_put_from_multi_buffers")] * len(batch)
+            for (i, _), c in zip(batch, codes):
+                results[i] = self._put_code(c)
         return results
 
     def batch_get_into_multi_buffers(self, keys: List[str], all_buffer_ptrs: List[List[int]],
@@ -713,43 +722,33 @@ class MooncakeDistributedStore:
                                        all_buffer_ptrs, all_sizes)
         except Exception as e:  # noqa: BLE001
             return [_code(e, "batch_get_into_multi_buffers")] * len(keys)
-        for batch, total in self._rounds(todo):
+        for batch, base in self._staged_rounds(store, todo, "batch_get_into_multi_buffers",
+                                               results):
+            addresses, capacities = [], []
+            offset = 0
+            for _, pieces in batch:
+                n = sum(length for _, length in pieces)
+                addresses.append(base + offset)
+                capacities.append(n)
+                offset += n
             try:
-                staging = self._staging.take(store, total)
+                got = store.get_batch([keys[i] for i, _ in batch], addresses=addresses,
+                                      capacities=capacities)
             except Exception as e:  # noqa: BLE001
-                code = _code(e, "batch_get_into_multi_buffers: staging")
-                for i, _ in batch:
-                    results[i] = code
-                continue
-            try:
-                base = staging[1]
-                addresses, capacities = [], []
-                offset = 0
-                for _, pieces in batch:
-                    n = sum(length for _, length in pieces)
-                    addresses.append(base + offset)
-                    capacities.append(n)
-                    offset += n
-                try:
-                    got = store.get_batch([keys[i] for i, _ in batch], addresses=addresses,
-                                          capacities=capacities)
-                except Exception as e:  # noqa: BLE001
-                    got = [_code(e, "batch_get_into_multi_buffers")] * len(batch)
-                for (i, pieces), src, n in zip(batch, addresses, got):
-                    if n < 0:
-                        results[i] = INVALID_PARAMS if n == -10 else n
-                        continue
-                    left = n
-                    for addr, length in pieces:
-                        if left <= 0:
-                            break
-                        step = min(length, left)
-                        ctypes.memmove(addr, src, step)
-                        src += step
-                        left -= step
-                    results[i] = n
-            finally:
-                self._staging.give(store, staging)
+                got = [_code(e, "batch_get_into_multi_buffers")] * len(batch)
+            for (i, pieces), src, n in zip(batch, addresses, got):
+                if n < 0:
+                    results[i] = INVALID_PARAMS if n == -10 else n
+                    continue
+                left = n
+                for addr, length in pieces:
+                    if left <= 0:
+                        break
+                    step = min(length, left)
+                    ctypes.memmove(addr, src, step)
+                    src += step
+                    left -= step
+                results[i] = n
         return results
 
     # -- exists and remove
