@@ -13,7 +13,8 @@
 // - copies are memcpy at cuMemcpyAsync; an event turns complete only on
 //   its third query, so the poller waits and backs off as on a GPU;
 // - an IPC handle holds the exporter's pid and memfd: cuIpcOpenMemHandle
-//   takes the fd with pidfd_getfd;
+//   takes the fd with pidfd_getfd, and refuses a handle of its own process
+//   (CUDA_ERROR_INVALID_CONTEXT), as the driver does;
 // - no dma-buf (CU_DEVICE_ATTRIBUTE_DMA_BUF_SUPPORTED is 0).
 // Not a model of CUDA's performance or of its error behaviour beyond this.
 #include <algorithm>
@@ -311,6 +312,7 @@ CUresult CUDAAPI ipc_open_mem_handle(CUdeviceptr* p, CUipcMemHandle h, unsigned)
   ipc_payload payload{};
   std::memcpy(&payload, &h, sizeof payload);
   if (payload.magic != 0x6b766c6b) return CUDA_ERROR_INVALID_VALUE;
+  if (payload.pid == static_cast<std::int32_t>(::getpid())) return CUDA_ERROR_INVALID_CONTEXT;
   const int pidfd = static_cast<int>(::syscall(SYS_pidfd_open, payload.pid, 0));
   if (pidfd < 0) return CUDA_ERROR_INVALID_VALUE;
   const int fd = static_cast<int>(::syscall(SYS_pidfd_getfd, pidfd, payload.fd, 0));

@@ -98,6 +98,14 @@ class device_runtime {
   virtual bool available() const noexcept = 0;
   virtual std::string unavailable_reason() const = 0;
   virtual int device_count() const noexcept = 0;
+  /// About how fast one copy runs, in GB/s (10^9 B/s): between two device
+  /// allocations (`between_devices`), else between device and pinned host
+  /// memory. A nominal figure that sizes how many bytes of copies a
+  /// transport keeps queued (shm/transport.hpp), not a measurement.
+  virtual double copy_rate_hint(bool between_devices) const noexcept {
+    (void)between_devices;
+    return 50.0;
+  }
 
   /// What `p` is: device memory of this runtime (with its allocation), or
   /// host memory (anything else, managed memory included).

@@ -133,10 +133,17 @@ class imported_allocation {
   imported_allocation(std::shared_ptr<device_runtime> rt, void* base, std::int32_t device,
                       std::uint64_t size) noexcept
       : rt_(std::move(rt)), base_(base), device_(device), size_(size) {}
+  /// The peer is this process and the allocation is already ours: nothing
+  /// was imported and nothing is closed (CUDA refuses to open an IPC handle
+  /// in the process that made it).
+  static std::shared_ptr<imported_allocation> own(void* base, std::int32_t device,
+                                                  std::uint64_t size) {
+    return std::make_shared<imported_allocation>(nullptr, base, device, size);
+  }
   imported_allocation(const imported_allocation&) = delete;
   imported_allocation& operator=(const imported_allocation&) = delete;
   ~imported_allocation() {
-    if (base_ != nullptr) rt_->close_imported(base_);
+    if (base_ != nullptr && rt_) rt_->close_imported(base_);
   }
 
   /// Where the allocation starts here (device memory: reached with a stream).

@@ -11,6 +11,7 @@
 #include "../../support/device_memory.hpp"
 
 #include <kvlink/engine.hpp>
+#include <kvlink/shm/transport.hpp>
 
 #include <cstdlib>
 #include <cstring>
@@ -206,11 +207,21 @@ TEST_CASE("device memory: cancellation and deadlines with copies in flight keep 
     for (int i = 0; i < 20 && !o.done; ++i) r.io.poll_one();
     sig.emit(asio::cancellation_type::terminal);
     REQUIRE(run_until(r.io, [&] { return o.done; }));
-    CHECK(o.ec == kvlink::errc::cancelled);
     const auto at_handler = r.remote.snapshot();
+    // shm may queue a device-to-device transfer whole (a window of hundreds
+    // of MiB on a GPU, where 64 MiB take 50 us): it may be done before the
+    // cancellation is seen, and then it says so with every byte in place.
+    const bool whole = transport_under_test() == "shm" && remote_device &&
+                       n <= kvlink::shm::device_copy_window(rt.get(), true);
+    if (whole && !o.ec) {
+      CHECK(o.result.bytes == n);
+      CHECK(at_handler == w);
+    } else {
+      CHECK(o.ec == kvlink::errc::cancelled);
+      if (!whole) CHECK(o.result.bytes < n);  // some bytes were left unmoved
+    }
     r.io.run_for(300ms);
     CHECK(r.remote.snapshot() == at_handler);  // no byte arrived after the handler
-    CHECK(o.result.bytes < n);
     (void)before;
     // A deadline too short for 64 MiB: deadline_exceeded, then nothing moves.
     device_outcome d;
