@@ -15,7 +15,9 @@ With `--memory emulated` both KV caches are device memory, as vLLM's are on
 GPUs: one kvlink.DeviceBuffer per layer on the emulated device (memory the
 CPU cannot touch, reached through its copy engine; KVLINK_DEVICE=emulated),
 registered with Mooncake's "cuda:0" location, filled and checked through
-the copy engine. On a GPU the same calls take torch CUDA tensors' data_ptr().
+the copy engine. With `--memory cuda` they are torch CUDA tensors on GPU 0,
+registered by data_ptr() as vLLM does (needs torch and a kvlink built with
+kvlink::cuda).
 
 `from mooncake.engine import TransferEngine` is what vLLM writes: with
 kvlink's alias installed (README, "Python") it is kvlink; here it falls back
@@ -49,7 +51,8 @@ def kv_block(layer: int, block: int) -> np.ndarray:
 
 class KVCache:
     """One process's paged KV cache: a buffer per layer, in host memory
-    (numpy) or device memory (kvlink.DeviceBuffer on the emulated device)."""
+    (numpy), GPU memory (torch CUDA tensors) or device memory of the
+    emulated device (kvlink.DeviceBuffer)."""
 
     def __init__(self, memory: str) -> None:
         self.memory = memory
@@ -57,6 +60,11 @@ class KVCache:
         if memory == "host":
             self.host = np.zeros((LAYERS, BLOCKS, BLOCK_BYTES), np.uint8)
             self.bases = [self.host[layer].ctypes.data for layer in range(LAYERS)]
+        elif memory == "cuda":
+            import torch
+            self.gpu = torch.zeros((LAYERS, BLOCKS, BLOCK_BYTES), dtype=torch.uint8,
+                                   device="cuda:0")
+            self.bases = [self.gpu[layer].data_ptr() for layer in range(LAYERS)]
         else:
             import kvlink
             self.dev = [kvlink.DeviceBuffer(layer_bytes, runtime=memory) for _ in range(LAYERS)]
@@ -67,12 +75,18 @@ class KVCache:
     def write_block(self, layer: int, block: int, data: np.ndarray) -> None:
         if self.memory == "host":
             self.host[layer, block] = data
+        elif self.memory == "cuda":
+            import torch
+            self.gpu[layer, block].copy_(torch.from_numpy(data))
+            torch.cuda.synchronize()
         else:  # through the device's copy engine, as a kernel's output would land
             self.dev[layer].write(block * BLOCK_BYTES, data.tobytes())
 
     def read_block(self, layer: int, block: int) -> np.ndarray:
         if self.memory == "host":
             return self.host[layer, block]
+        if self.memory == "cuda":
+            return self.gpu[layer, block].cpu().numpy()
         return np.frombuffer(self.dev[layer].read(block * BLOCK_BYTES, BLOCK_BYTES), np.uint8)
 
 
@@ -127,8 +141,9 @@ def prefill(pipe, memory: str) -> int:
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--memory", choices=["host", "emulated"], default="host",
-                    help="where both KV caches live (emulated: device memory, no GPU needed)")
+    ap.add_argument("--memory", choices=["host", "emulated", "cuda"], default="host",
+                    help="where both KV caches live (cuda: torch tensors on GPU 0; emulated: "
+                         "device memory, no GPU needed)")
     args = ap.parse_args()
     if args.memory != "host":
         os.environ["KVLINK_DEVICE"] = args.memory  # both engines' device runtime

@@ -4,6 +4,10 @@ device memory, registered and transferred through the engine's CUDA runtime
 run on the emulated device in test_device.py). Skipped where torch is not
 installed."""
 
+import subprocess
+import sys
+from pathlib import Path
+
 import pytest
 
 import kvlink
@@ -64,3 +68,16 @@ def test_gpu_tensor_without_a_device_runtime():
         with pytest.raises(kvlink.Error) as e:
             a.register(torch.zeros(1024, device="cuda"))
         assert e.value.errc == "invalid_argument" and "device runtime" in str(e.value)
+
+
+def test_vllm_pattern_example_with_cuda_kv_caches():
+    """examples/python/vllm_pattern.py --memory cuda: prefill and decode in
+    two processes, each KV cache a torch CUDA tensor registered per layer by
+    data_ptr() with the "cuda:0" location; decode checks every block."""
+    _cuda_or_skip()
+    example = Path(__file__).resolve().parents[2] / "examples" / "python" / "vllm_pattern.py"
+    done = subprocess.run([sys.executable, str(example), "--memory", "cuda"],
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert "cuda memory on both sides" in done.stdout, done.stdout
+    assert "results {0}, blocks with wrong bytes: 0" in done.stdout, done.stdout
