@@ -197,6 +197,8 @@ void dispatch(const std::uint8_t* data, std::size_t size) {
   }
   (void)kvlink::store::route_http(svc, "GET", "/metrics");
   (void)kvlink::store::route_http(svc, "GET", "/segments");
+  (void)kvlink::store::route_http(svc, "GET", "/get_all_segments");
+  (void)kvlink::store::route_http(svc, "GET", "/metrics/summary");
   svc.detach_client(a.session);
   svc.detach_client(b.session);
 }

@@ -603,7 +603,8 @@ TEST_CASE("master server: a silent client becomes suspect, then gone with its ob
   CHECK(a3.store().at("client") == a_id);
 }
 
-TEST_CASE("master server: HTTP /health, /metrics, /segments, 404") {
+TEST_CASE(
+    "master server: HTTP /health, /metrics, /segments, /get_all_segments, /metrics/summary, 404") {
   running_master m;
   test_client a(m.io);
   REQUIRE(!connect(m.io, m.server->local_address(), a, connect_args{}));
@@ -640,7 +641,19 @@ TEST_CASE("master server: HTTP /health, /metrics, /segments, 404") {
   CHECK(j[0].at("engine_segment") == 3);
   CHECK(j[0].at("address") == "127.0.0.1:17001");
 
+  // mooncake_master's: the names one per line, and a line for people.
+  const auto names = http_get(m.io, http, "/get_all_segments");
+  CHECK(names.first == "HTTP/1.1 200 OK");
+  CHECK(names.second == "seg0\nbad\ufffd\n");
+  const auto summary = http_get(m.io, http, "/metrics/summary?verbose=1");
+  CHECK(summary.first == "HTTP/1.1 200 OK");
+  CHECK(summary.second.find("Objects: 1 (1 puts in progress) | Segments: 2 | Clients: 1 alive") !=
+        std::string::npos);
+  CHECK(summary.second.find("/ 0.00 GiB") != std::string::npos);
+
   CHECK(http_get(m.io, http, "/nope").first == "HTTP/1.1 404 Not Found");
+  CHECK(http_get(m.io, http, "/get_all_segments", "POST").first ==
+        "HTTP/1.1 405 Method Not Allowed");
   CHECK(http_get(m.io, http, "/health", "POST").first == "HTTP/1.1 405 Method Not Allowed");
 }
 

@@ -92,20 +92,35 @@ struct http_answer {
 };
 
 /// The master's HTTP routes: GET /health (200 "ok"), GET /metrics
-/// (Prometheus text), GET /segments (JSON); another method 405, another
-/// path 404. The query string is ignored.
+/// (Prometheus text), GET /segments (JSON), and mooncake_master's
+/// GET /get_all_segments (the mounted segments' names, one per line: SGLang
+/// polls it until it is not empty) and GET /metrics/summary (one line of
+/// text for people); another method 405, another path 404. The query
+/// string is ignored.
 inline http_answer route_http(const master_service& svc, std::string_view method,
                               std::string_view target) {
   if (const auto q = target.find('?'); q != std::string_view::npos) target = target.substr(0, q);
-  const bool known = target == "/health" || target == "/metrics" || target == "/segments";
+  const bool known = target == "/health" || target == "/metrics" || target == "/segments" ||
+                     target == "/get_all_segments" || target == "/metrics/summary";
   if (!known) return {404, "text/plain; charset=utf-8", "not found\n"};
   if (method != "GET") return {405, "text/plain; charset=utf-8", "method not allowed\n"};
   if (target == "/health") return {200, "text/plain; charset=utf-8", "ok\n"};
   if (target == "/metrics") return {200, "text/plain; version=0.0.4", svc.metrics_text()};
   // Names come from clients: bytes that are not UTF-8 are replaced, never thrown on.
-  return {
-      200, "application/json",
-      svc.segments_json().dump(-1, ' ', false, nlohmann::json::error_handler_t::replace) + "\n"};
+  const auto segments = svc.segments_json();
+  if (target == "/get_all_segments") {
+    std::string names;
+    for (const auto& s : segments) {
+      // As a JSON string without its quotes: a newline in a name stays "\n".
+      const auto q = s.at("name").dump(-1, ' ', false, nlohmann::json::error_handler_t::replace);
+      names.append(q, 1, q.size() - 2);
+      names += '\n';
+    }
+    return {200, "text/plain; charset=utf-8", std::move(names)};
+  }
+  if (target == "/metrics/summary") return {200, "text/plain; charset=utf-8", svc.summary_text()};
+  return {200, "application/json",
+          segments.dump(-1, ' ', false, nlohmann::json::error_handler_t::replace) + "\n"};
 }
 
 /// The bytes of an HTTP/1.1 response that closes the connection.

@@ -559,6 +559,20 @@ class master_service {
     return out;
   }
 
+  /// One line for people (mooncake_master's /metrics/summary): capacity
+  /// and use in GiB (2^30 B), objects, segments and clients.
+  std::string summary_text() const {
+    const auto [alive, suspect] = client_counts();
+    const pool_stats p = table_.stats();
+    constexpr double gib = 1024.0 * 1024.0 * 1024.0;
+    return fmt::format(
+        "Storage: {:.2f} / {:.2f} GiB ({:.1f}%) | Objects: {} ({} puts in progress) | "
+        "Segments: {} | Clients: {} alive, {} suspect\n",
+        static_cast<double>(p.used) / gib, static_cast<double>(p.capacity) / gib,
+        p.capacity ? 100.0 * static_cast<double>(p.used) / static_cast<double>(p.capacity) : 0.0,
+        p.objects, p.in_progress, p.segments, alive, suspect);
+  }
+
   /// The Prometheus text exposition of the master's state and counters.
   std::string metrics_text() const {
     std::string o;
