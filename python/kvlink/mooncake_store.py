@@ -17,7 +17,8 @@ not reachable), the bytes read for get_into/batch_get_into and the
 multi-buffer gets, 1/0/-1 for is_exist. The reason of every failure is on
 the "kvlink.mooncake.store" logger. Implemented: setup (the 7-positional
 form with its keywords, and the dict form), MooncakeConfig (a
-MOONCAKE_CONFIG_PATH file or MOONCAKE_* variables), close, get_hostname,
+MOONCAKE_CONFIG_PATH or SGLANG_HICACHE_MOONCAKE_CONFIG_PATH file, or
+MOONCAKE_* variables), close, get_hostname,
 health_check, put, get, get_size, put_batch, get_batch, put_parts,
 put_from, get_into, batch_put_from, batch_get_into,
 batch_put_from_multi_buffers, batch_get_into_multi_buffers (through a
@@ -168,14 +169,18 @@ class MooncakeConfig:
 
     @staticmethod
     def load_from_env() -> "MooncakeConfig":
-        """MOONCAKE_CONFIG_PATH's file, else MOONCAKE_MASTER and the other
-        MOONCAKE_* variables (ValueError when neither is set)."""
-        path = os.getenv("MOONCAKE_CONFIG_PATH")
-        if path is not None:
-            return MooncakeConfig.from_file(path)
+        """MOONCAKE_CONFIG_PATH's file, else SGLang's
+        SGLANG_HICACHE_MOONCAKE_CONFIG_PATH's (the same JSON keys), else
+        MOONCAKE_MASTER and the other MOONCAKE_* variables (ValueError when
+        none is set)."""
+        for var in ("MOONCAKE_CONFIG_PATH", "SGLANG_HICACHE_MOONCAKE_CONFIG_PATH"):
+            path = os.getenv(var)
+            if path is not None:
+                return MooncakeConfig.from_file(path)
         master = os.getenv("MOONCAKE_MASTER")
         if not master:
-            raise ValueError("neither MOONCAKE_CONFIG_PATH nor MOONCAKE_MASTER is set")
+            raise ValueError("none of MOONCAKE_CONFIG_PATH, SGLANG_HICACHE_MOONCAKE_CONFIG_PATH "
+                             "and MOONCAKE_MASTER is set")
         env = os.getenv
         return MooncakeConfig(
             local_hostname=env("MOONCAKE_LOCAL_HOSTNAME", "localhost"),

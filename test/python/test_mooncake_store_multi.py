@@ -227,17 +227,28 @@ def test_setup_dict_form_refusals(master):
     assert s.close() == 0
 
 
-def test_config_from_file_and_environment(master, tmp_path, monkeypatch):
+def test_config_from_file_and_environment(master, peer, tmp_path, monkeypatch):
     path = tmp_path / "mooncake.json"
     path.write_text(json.dumps({
         "local_hostname": "127.0.0.1", "metadata_server": "P2PHANDSHAKE",
         "global_segment_size": "512MB", "local_buffer_size": 1 << 20, "protocol": "tcp",
         "device_name": "", "master_server_address": master, "enable_ssd_offload": False}))
-    for name in ("MOONCAKE_CONFIG_PATH", "MOONCAKE_MASTER", "MOONCAKE_GLOBAL_SEGMENT_SIZE",
+    for name in ("MOONCAKE_CONFIG_PATH", "SGLANG_HICACHE_MOONCAKE_CONFIG_PATH",
+                 "MOONCAKE_MASTER", "MOONCAKE_GLOBAL_SEGMENT_SIZE",
                  "MOONCAKE_LOCAL_HOSTNAME", "MOONCAKE_PROTOCOL", "MOONCAKE_TENANT_ID"):
         monkeypatch.delenv(name, raising=False)
     with pytest.raises(ValueError):
         MooncakeConfig.load_from_env()
+    # SGLang's variable names the same file; Mooncake's wins where both are set.
+    monkeypatch.setenv("SGLANG_HICACHE_MOONCAKE_CONFIG_PATH", str(path))
+    assert MooncakeConfig.load_from_env().global_segment_size == 512 << 20
+    other = tmp_path / "other.json"
+    other.write_text(json.dumps({"local_hostname": "127.0.0.1", "metadata_server": "P2PHANDSHAKE",
+                                 "global_segment_size": "1GB",
+                                 "master_server_address": master}))
+    monkeypatch.setenv("MOONCAKE_CONFIG_PATH", str(other))
+    assert MooncakeConfig.load_from_env().global_segment_size == 1 << 30
+    monkeypatch.delenv("SGLANG_HICACHE_MOONCAKE_CONFIG_PATH")
     monkeypatch.setenv("MOONCAKE_CONFIG_PATH", str(path))
     cfg = MooncakeConfig.load_from_env()
     assert (cfg.global_segment_size, cfg.local_buffer_size) == (512 << 20, 1 << 20)
