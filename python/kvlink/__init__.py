@@ -34,6 +34,7 @@ from __future__ import annotations
 import asyncio
 import atexit
 import datetime
+import functools
 import json
 import threading
 import weakref
@@ -291,6 +292,27 @@ async def _await_op(op: Operation) -> Any:
     return op.result()
 
 
+async def _in_thread(fn: Any, *args: Any, **kwargs: Any) -> Any:
+    """fn(*args, **kwargs) on the loop's default executor (a blocking call
+    that releases the GIL), awaited without blocking the loop. A call cannot
+    be stopped midway: a cancelled task waits for it to finish before the
+    CancelledError arrives, so the buffers are free to reuse then (the
+    completion is the fence, as for the engine)."""
+    loop = asyncio.get_running_loop()
+    fut = loop.run_in_executor(None, functools.partial(fn, *args, **kwargs))
+    try:
+        return await asyncio.shield(fut)
+    except asyncio.CancelledError:
+        while not fut.done():
+            try:
+                await asyncio.shield(fut)
+            except asyncio.CancelledError:
+                continue
+            except BaseException:
+                break
+        raise
+
+
 # ---------------------------------------------------------------- engine
 
 _live: "weakref.WeakSet[Engine]" = weakref.WeakSet()
@@ -533,7 +555,9 @@ class StoreClient:
     the bytes read (get), 1/0 (exists), or Mooncake's negative code (-200
     no space, -704 not found, -705 exists already, -10 buffer too small).
     Every call blocks with the GIL released, bounded by request_timeout per
-    master round trip and the engine's transfer_deadline for the bytes.
+    master round trip and the engine's transfer_deadline for the bytes; the
+    a-prefixed forms (aput, aget_batch, ...) await the same calls from
+    asyncio without blocking the loop.
     Buffers inside memory given to register() are read and written in
     place; others go through staging memory (one copy). Thread-safe."""
 
@@ -693,3 +717,34 @@ class StoreClient:
     def stats(self) -> Dict[str, int]:
         """The pool's totals: capacity, used, objects, in_progress, reserved, segments."""
         return self._core.stats()
+
+    # -- asyncio: the calls above, awaited on the running loop (each runs on
+    # the loop's default executor with the GIL released; a cancelled task
+    # still waits for its call to finish, so its buffers are free when the
+    # CancelledError arrives)
+    async def aput(self, key: str, value: Any = None, **kwargs: Any) -> None:
+        return await _in_thread(self.put, key, value, **kwargs)
+
+    async def aput_batch(self, keys: List[str], values: Any = None, **kwargs: Any) -> List[int]:
+        return await _in_thread(self.put_batch, keys, values, **kwargs)
+
+    async def aget(self, key: str) -> bytes:
+        return await _in_thread(self.get, key)
+
+    async def aget_into(self, key: str, buffer: Any = None, **kwargs: Any) -> int:
+        return await _in_thread(self.get_into, key, buffer, **kwargs)
+
+    async def aget_batch(self, keys: List[str], buffers: Any = None, **kwargs: Any) -> List[int]:
+        return await _in_thread(self.get_batch, keys, buffers, **kwargs)
+
+    async def aexists(self, key: str) -> bool:
+        return await _in_thread(self.exists, key)
+
+    async def aexists_batch(self, keys: List[str]) -> List[int]:
+        return await _in_thread(self.exists_batch, keys)
+
+    async def aremove(self, key: str, *, force: bool = False) -> None:
+        return await _in_thread(self.remove, key, force=force)
+
+    async def aremove_batch(self, keys: List[str], *, force: bool = False) -> List[int]:
+        return await _in_thread(self.remove_batch, keys, force=force)

@@ -3,6 +3,7 @@ set by ctest) and a second process that mounts the pool's memory
 (store_peer_proc.py), so every byte checked here crossed between processes.
 Without KVLINK_MASTER these tests are skipped, never passed."""
 
+import asyncio
 import threading
 
 import numpy as np
@@ -294,3 +295,44 @@ def test_mount_a_buffer_holds_the_bytes():
             assert c.get("in-pool") == data
     finally:
         stop(proc)
+
+
+def test_asyncio_forms(store, peer):
+    """The a-prefixed calls from one event loop, many at once: every byte
+    crossed to the peer process and back; errors raise as in the blocking
+    forms; the loop keeps running while they wait."""
+    keys = [f"async/{i}" for i in range(32)]
+    blobs = [pattern(20_000 + i, 100 + i) for i in range(32)]
+
+    async def main():
+        ticks = 0
+
+        async def ticker():
+            nonlocal ticks
+            while True:
+                ticks += 1
+                await asyncio.sleep(0)
+
+        t = asyncio.create_task(ticker())
+        await asyncio.gather(*(store.aput(k, b) for k, b in zip(keys, blobs)))
+        got = await asyncio.gather(*(store.aget(k) for k in keys))
+        assert got == blobs
+        assert await store.aexists_batch(keys + ["async/none"]) == [1] * 32 + [0]
+        bufs = [bytearray(len(b)) for b in blobs[:4]]
+        assert await store.aget_batch(keys[:4], bufs) == [len(b) for b in blobs[:4]]
+        assert [bytes(b) for b in bufs] == blobs[:4]
+        one = bytearray(len(blobs[5]))
+        assert await store.aget_into(keys[5], one) == len(blobs[5]) and one == blobs[5]
+        # The first writer wins: -705 for the key put above.
+        assert await store.aput_batch(["async/b0", keys[0]], [b"x" * 10, b"y"]) == [0, -705]
+        with pytest.raises(kvlink.Error) as e:
+            await store.aget("async/absent")
+        assert e.value.errc == "object_not_found"
+        assert await store.aexists("async/b0") is True
+        await store.aremove("async/b0", force=True)
+        assert await store.aremove_batch(keys, force=True) == [0] * 32
+        t.cancel()
+        return ticks
+
+    assert asyncio.run(main()) > 0
+    assert peer.call("exists", key=keys[0]) == {"there": False}
