@@ -195,8 +195,9 @@ class transfers : public std::enable_shared_from_this<transfers> {
     std::vector<slice> slices;
     for (auto& g : groups) {
       plan_stats stats;
-      if (auto ec =
-              plan_slices(g.items, g.p->path->lane_weights(), settings_.policy, slices, &stats)) {
+      auto policy = settings_.policy;
+      if (g.device_only) policy.slice_size = g.p->path->device_slice_size(policy.slice_size);
+      if (auto ec = plan_slices(g.items, g.p->path->lane_weights(), policy, slices, &stats)) {
         // Earlier groups may already be queued on their paths: stop() fences them.
         op->error = ec;
         if (op->pending == 0) {
@@ -309,6 +310,7 @@ class transfers : public std::enable_shared_from_this<transfers> {
   struct group {
     std::shared_ptr<peer_state> p;
     std::vector<plan_request> items;
+    bool device_only = true;  // every item's local memory is device memory the path reaches
   };
 
   transfer_op* find(std::uint64_t id) {
@@ -347,9 +349,14 @@ class transfers : public std::enable_shared_from_this<transfers> {
     }
     auto g = std::find_if(groups.begin(), groups.end(), [&](const group& x) { return x.p == p; });
     if (g == groups.end()) {
-      groups.push_back({p, {}});
+      groups.push_back({p, {}, true});
       g = std::prev(groups.end());
     }
+    // Device memory the path reaches itself (not staged through chunks of
+    // the configured slice size).
+    g->device_only = g->device_only && local.memory.kind == memory_kind::device &&
+                     (p->carrier ? p->carrier->reaches_segment(local)
+                                 : p->reaches.contains(memory_kind::device));
     g->items.push_back(plan_request{r.op, reinterpret_cast<std::uintptr_t>(r.local), local.id,
                                     r.remote.segment, r.remote_offset, r.length});
     return {};

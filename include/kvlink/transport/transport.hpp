@@ -123,6 +123,13 @@ class data_path {
   virtual ~data_path() = default;
   /// One weight per lane; the planner gives each lane its share of a batch.
   virtual std::span<const double> lane_weights() const noexcept = 0;
+  /// The slice size for requests whose local memory is device memory
+  /// (`configured`: config.slice_size). A path whose copies cost about the
+  /// same per slice whatever its size (shm's device streams) asks for
+  /// larger ones: the per-slice cost of the engine decides there.
+  virtual std::uint64_t device_slice_size(std::uint64_t configured) const noexcept {
+    return configured;
+  }
   /// Starts receiving (once, after the path was made).
   virtual void start() = 0;
   /// Queues a slice on a lane; pump() sends what the lanes' windows allow.

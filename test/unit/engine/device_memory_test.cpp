@@ -183,9 +183,40 @@ TEST_CASE("device memory: one batch mixing host and device on both sides") {
         std::vector<std::byte>(d.begin(), d.begin() + (2 << 20)));
 }
 
+TEST_CASE("device memory: slices of device requests: shm plans large ones, TCP the configured") {
+  auto rt = runtime();
+  const std::size_t n = 24u << 20;
+  device_rig r{n, true, true};
+  const auto w = random_bytes(n, 11);
+  r.local.write(0, w.data(), n);
+  // 24 MiB in one request: the configured slice size is 1 MiB; shm's device
+  // streams take up to 64 MiB a slice (one slice), staging over TCP uses the
+  // configured size (24 slices or more).
+  auto o = r.run({{opcode::write, r.local.data(), r.seg(), 0, n}});
+  REQUIRE_MESSAGE(!o.ec, o.ec.message());
+  CHECK(r.remote.snapshot() == w);
+  if (transport_under_test() == "shm") {
+    CHECK(o.result.slices == 1);
+  } else {
+    CHECK(o.result.slices >= 24);
+  }
+  // A batch with host memory on our side keeps the configured size.
+  std::vector<std::byte> host(n);
+  std::memcpy(host.data(), w.data(), n);
+  (void)r.initiator->register_segment(host.data(), n, kvlink::access::remote_read_write);
+  auto h = r.run({{opcode::read, r.local.data(), r.seg(), 0, 4u << 20},
+                  {opcode::write, host.data(), r.seg(), 8u << 20, 4u << 20}});
+  REQUIRE_MESSAGE(!h.ec, h.ec.message());
+  CHECK(h.result.slices >= 8);
+}
+
 TEST_CASE("device memory: cancellation and deadlines with copies in flight keep the fence") {
   auto rt = runtime();
-  const std::size_t n = 64u << 20;
+  // Over shm a device request is cut into slices of up to 64 MiB (one copy
+  // each): more than two of them, so that a stop finds some unstarted.
+  const std::size_t n = transport_under_test() == "shm"
+                            ? 2 * kvlink::shm::device_copy_run + (1u << 20)
+                            : std::size_t{64} << 20;
   for (const bool remote_device : {false, true}) {
     CAPTURE(kind_name(remote_device));
     device_rig r{n, remote_device, true};
@@ -209,7 +240,7 @@ TEST_CASE("device memory: cancellation and deadlines with copies in flight keep 
     REQUIRE(run_until(r.io, [&] { return o.done; }));
     const auto at_handler = r.remote.snapshot();
     // shm may queue a device-to-device transfer whole (a window of hundreds
-    // of MiB on a GPU, where 64 MiB take 50 us): it may be done before the
+    // of MiB on a GPU, where 64 MiB take 45 us): it may be done before the
     // cancellation is seen, and then it says so with every byte in place.
     const bool whole = transport_under_test() == "shm" && remote_device &&
                        n <= kvlink::shm::device_copy_window(rt.get(), true);
