@@ -363,7 +363,8 @@ class lane : public std::enable_shared_from_this<lane> {
       std::vector<device_job> run;
       run.push_back(std::move(queue_.front()));
       queue_.pop_front();
-      const auto& first = run.front().item;
+      // A copy, not a reference: `run` grows below and moves its elements.
+      const copy_item first = run.front().item;
       if (auto ec = refuse(first.s)) {
         settle(run.front().batch, {first.s.op, 0, ec});
         continue;
