@@ -1,13 +1,15 @@
 // kvlink-master: the store master as a program (include/kvlink/store/master/server.hpp).
 //
 //   kvlink-master --listen 0.0.0.0:50051 --http 0.0.0.0:8080 --config master.json
-//                 --threads 4 --auth-secret-file /etc/kvlink/secret   (one line)
+//                 --threads 4 --auth-secret-file /etc/kvlink/secret
+//                 --metadata-listen 0.0.0.0:8090                      (one line)
 //
 // Settings come from, in increasing precedence: the defaults, --config (a
 // JSON object of settings), KVLINK_STORE_* environment variables, and the
 // flags above. `kvlink-master --help` lists every setting. When it is ready
 // it prints one line, "kvlink-master: listening on ADDR (http ADDR|off)", to
-// stdout; SIGINT or SIGTERM closes it cleanly (exit 0).
+// stdout, after "kvlink-master: metadata server on http://ADDR/metadata"
+// when that is on; SIGINT or SIGTERM closes it cleanly (exit 0).
 //
 // mooncake_master's flag names are accepted too, with its units, for what
 // kvlink's master does (a deployment's command line carries over):
@@ -21,6 +23,8 @@
 //   --allow_evict_soft_pinned_objects B      -> store_evict_soft_pinned
 //   --put_start_discard_timeout_sec S, --put_start_release_timeout_sec S
 //   --config_path F                          -> --config (JSON only)
+//   --enable_http_metadata_server[=B], --http_metadata_server_host H,
+//   --http_metadata_server_port N (0.0.0.0, 8080) -> store_metadata_listen H:N
 // --print-settings prints the settings in effect and exits.
 #include <kvlink/core/settings.hpp>
 #include <kvlink/store/master/server.hpp>
@@ -83,6 +87,9 @@ struct mooncake_flags {
   std::optional<std::uint64_t> client_ttl_s, discard_s, release_s;
   std::optional<double> high_watermark, eviction_ratio;
   std::optional<bool> evict_soft_pinned;
+  bool metadata_server = false;
+  std::string metadata_host = "0.0.0.0";
+  unsigned metadata_port = 8080;
 
   void add_to(CLI::App& app) {
     auto* g = app.add_option_group("mooncake_master's flags",
@@ -101,6 +108,10 @@ struct mooncake_flags {
                   "evict soft-pinned objects when nothing else is left (true)");
     g->add_option("--put_start_discard_timeout_sec", discard_s, "unfinished puts discarded (30)");
     g->add_option("--put_start_release_timeout_sec", release_s, "their space reused (600)");
+    g->add_flag("--enable_http_metadata_server", metadata_server,
+                "serve Mooncake's HTTP metadata protocol (store_metadata_listen)");
+    g->add_option("--http_metadata_server_host", metadata_host, "its address (0.0.0.0)");
+    g->add_option("--http_metadata_server_port", metadata_port, "its port (8080)");
   }
 
   // Applies what was given onto cfg and *threads; "" or what is wrong.
@@ -114,6 +125,10 @@ struct mooncake_flags {
       cfg.server.http_listen = "0.0.0.0:" + std::to_string(*metrics_port);
     }
     if (threads) *threads_out = *threads;
+    if (metadata_server) {
+      if (metadata_port > 65535) return "--http_metadata_server_port: not a port";
+      cfg.server.metadata_listen = metadata_host + ":" + std::to_string(metadata_port);
+    }
     const std::pair<const std::optional<std::string>*, std::chrono::milliseconds*> durations[] = {
         {&lease_ttl, &cfg.store.lease_ttl},
         {&soft_pin_ttl, &cfg.store.soft_pin_ttl},
@@ -158,7 +173,7 @@ int main(int argc, char** argv) {
   const auto table = store::master_server_setting_table();
   store::master_server_config cfg;
 
-  std::string listen, http, config_file, secret_file;
+  std::string listen, http, metadata, config_file, secret_file;
   unsigned threads = 0;
   CLI::App app{
       "kvlink-master: the kvlink store's master (object metadata and space "
@@ -166,6 +181,9 @@ int main(int argc, char** argv) {
   app.add_option("--listen", listen, "where store clients connect, host:port (store_listen)");
   app.add_option("--http", http,
                  "HTTP endpoint for /health /metrics /segments (store_http_listen)");
+  app.add_option("--metadata-listen", metadata,
+                 "metadata server for engines (http://ADDR/metadata), host:port "
+                 "(store_metadata_listen)");
   app.add_option("--config", config_file, "JSON file with settings (see below)");
   app.add_option("--threads", threads, "I/O threads (default: hardware threads, at least 2)");
   app.add_option("--auth-secret-file", secret_file,
@@ -196,7 +214,11 @@ int main(int argc, char** argv) {
   }
   if (!listen.empty() && mc.port) return fail("--listen and --port/--rpc_port: give one");
   if (!http.empty() && mc.metrics_port) return fail("--http and --metrics_port: give one");
+  if (!metadata.empty() && mc.metadata_server) {
+    return fail("--metadata-listen and --enable_http_metadata_server: give one");
+  }
   if (const auto why = mc.apply(cfg, &threads); !why.empty()) return fail(why);
+  if (!metadata.empty()) cfg.server.metadata_listen = metadata;
   if (!listen.empty()) cfg.server.listen = listen;
   if (!http.empty()) cfg.server.http_listen = http;
   if (!secret_file.empty()) {
@@ -221,6 +243,10 @@ int main(int argc, char** argv) {
       if (ec) return;
       master.async_close([] {});
     });
+    if (!master.metadata_address().empty()) {
+      std::printf("kvlink-master: metadata server on http://%s/metadata\n",
+                  master.metadata_address().c_str());
+    }
     std::printf("kvlink-master: listening on %s (http %s)\n", master.local_address().c_str(),
                 master.http_address().empty() ? "off" : master.http_address().c_str());
     std::fflush(stdout);

@@ -1,6 +1,7 @@
 #!/usr/bin/env python3
 """Runs the real kvlink-master: its ready line, GET /health, a clean exit on
-SIGTERM; mooncake_master's flag names mapped onto kvlink's settings.
+SIGTERM; mooncake_master's flag names mapped onto kvlink's settings, and its
+embedded metadata server (--enable_http_metadata_server) storing a value.
 
 usage: kvlink_master_test.py PATH/TO/kvlink-master
 """
@@ -49,7 +50,8 @@ def main() -> int:
         return 1
     if not mooncake_flags(binary):
         return 1
-    print("kvlink-master: ready line, /health, /metrics, SIGTERM, mooncake_master's flags: ok")
+    print("kvlink-master: ready line, /health, /metrics, SIGTERM, mooncake_master's flags, "
+          "metadata server: ok")
     return 0
 
 
@@ -91,19 +93,35 @@ def mooncake_flags(binary: str) -> bool:
         if r.returncode != 2 or says not in r.stderr:
             print(f"{bad}: status {r.returncode}, stderr {r.stderr!r}")
             return False
-    # And a real start on them: clients' port and the metrics port.
-    port, metrics = free_port(), free_port()
+    # And a real start on them: clients' port, the metrics port and the
+    # metadata server, which keeps a value (Mooncake's protocol).
+    port, metrics, md = free_port(), free_port(), free_port()
     proc = subprocess.Popen([binary, "--rpc_address=127.0.0.1", f"--port={port}",
-                             f"--metrics_port={metrics}", "--rpc_thread_num=2"],
+                             f"--metrics_port={metrics}", "--rpc_thread_num=2",
+                             "--enable_http_metadata_server=true",
+                             "--http_metadata_server_host=127.0.0.1",
+                             f"--http_metadata_server_port={md}"],
                             stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
     try:
-        line = proc.stdout.readline()
-        if line != f"kvlink-master: listening on 127.0.0.1:{port} (http 0.0.0.0:{metrics})\n":
-            print(f"mooncake_master's flags: ready line {line!r}")
+        lines = [proc.stdout.readline(), proc.stdout.readline()]
+        if lines != [f"kvlink-master: metadata server on http://127.0.0.1:{md}/metadata\n",
+                     f"kvlink-master: listening on 127.0.0.1:{port} (http 0.0.0.0:{metrics})\n"]:
+            print(f"mooncake_master's flags: ready lines {lines!r}")
             return False
         with urllib.request.urlopen(f"http://127.0.0.1:{metrics}/health", timeout=5) as r:
             if r.status != 200:
                 print(f"/health on --metrics_port answered {r.status}")
+                return False
+        url = f"http://127.0.0.1:{md}/metadata?key=mooncake%2Fseg"
+        value = bytes(range(256)) * 64
+        put = urllib.request.Request(url, data=value, method="PUT")
+        with urllib.request.urlopen(put, timeout=5) as r:
+            if r.status != 200:
+                print(f"PUT on the metadata server answered {r.status}")
+                return False
+        with urllib.request.urlopen(url, timeout=5) as r:
+            if r.read() != value:
+                print("GET on the metadata server: not the value put")
                 return False
         proc.send_signal(signal.SIGTERM)
         return proc.wait(timeout=10) == 0

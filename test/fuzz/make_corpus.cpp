@@ -421,6 +421,13 @@ void store_wire() {
   wire::writer frame(mt::exists, 7, false);
   keys({"key1", "key2"}, false, false)(frame);
   put("store_wire", "whole_frame", frame.take());
+
+  // The same input is also read as an HTTP request (the metadata server).
+  put("store_wire", "http_metadata_put",
+      "PUT /metadata?key=mooncake%2Fram%2Fh1 HTTP/1.1\r\nHost: m\r\nContent-Length: 7\r\n"
+      "Authorization: Bearer t0ken\r\nExpect: 100-continue\r\n\r\n{\"a\":1}");
+  put("store_wire", "http_metadata_get",
+      "GET /metadata?key=seed HTTP/1.1\r\nauthorization: Bearer t0ken\r\n\r\n");
 }
 
 int main(int argc, char** argv) {

@@ -11,7 +11,13 @@
 //    frame with the request's id and type | reply_bit, opening with a status
 //    that decodes; an ok reply's body decodes exactly as its type says, with
 //    one result per key of the request; the pool's books stay consistent.
+// 3. The input as an HTTP request (store/master/http.hpp, metadata.hpp): its
+//    head parsed, its rest a body; routed to the master's endpoints and to
+//    the metadata server over a small table: a known status, the table
+//    within its capacity, and a stored value read back as it was put.
 #include <kvlink/core/instance.hpp>
+#include <kvlink/store/master/http.hpp>
+#include <kvlink/store/master/metadata.hpp>
 #include <kvlink/store/master/server.hpp>
 #include <kvlink/store/master/service.hpp>
 #include <kvlink/store/wire/protocol.hpp>
@@ -203,10 +209,38 @@ void dispatch(const std::uint8_t* data, std::size_t size) {
   svc.detach_client(b.session);
 }
 
+void http(std::string_view in) {
+  const std::size_t end = in.find("\r\n\r\n");
+  if (end == std::string_view::npos) {
+    KVLINK_FUZZ_CHECK(!st::parse_http_head(in));
+    return;
+  }
+  auto req = st::parse_http_head(in.substr(0, end + 4));
+  if (!req) return;
+  req->body = in.substr(end + 4);
+  st::metadata_table table(64, 256);
+  (void)table.put("seed", "value");
+  for (const std::string_view token : {std::string_view{}, std::string_view{"t0ken"}}) {
+    const auto a = st::route_metadata(table, token, *req);
+    KVLINK_FUZZ_CHECK(a.status == 200 || a.status == 400 || a.status == 401 || a.status == 404 ||
+                      a.status == 405 || a.status == 413 || a.status == 507);
+    KVLINK_FUZZ_CHECK(table.bytes() <= 256);
+    if (a.status == 200 && req->method == "PUT") {
+      // What was stored reads back as it was sent.
+      auto get = *req;
+      get.method = "GET";
+      const auto back = st::route_metadata(table, token, get);
+      KVLINK_FUZZ_CHECK(back.status == 200 && back.body == req->body);
+    }
+    KVLINK_FUZZ_CHECK(st::format_http(a).starts_with("HTTP/1.1 "));
+  }
+}
+
 }  // namespace
 
 extern "C" int LLVMFuzzerTestOneInput(const std::uint8_t* data, std::size_t size) {
   decoders(std::string_view(reinterpret_cast<const char*>(data), size));
   dispatch(data, size);
+  http(std::string_view(reinterpret_cast<const char*>(data), size));
   return 0;
 }

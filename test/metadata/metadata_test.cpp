@@ -666,102 +666,158 @@ TEST_SUITE("etcd") {
 
 namespace {
 
-// The HTTP metadata server (Mooncake's protocol), as a child process.
+// The HTTP metadata server (Mooncake's protocol), as a child process: the
+// test's Python server (http_metadata_server.py), or the store master's
+// embedded one (kvlink-master --metadata-listen, as mooncake_master
+// --enable_http_metadata_server).
+enum class server_kind { python, master };
+
 struct http_server {
+  server_kind kind;
   std::string token;
   std::uint16_t port = 0;
   std::unique_ptr<process> proc;
 
-  explicit http_server(std::string t, std::uint16_t p = 0) : token(std::move(t)), port(p) {
+  http_server(server_kind k, std::string t, std::uint16_t p = 0)
+      : kind(k), token(std::move(t)), port(p) {
     start();
   }
   void start() {
-    const std::string python = which("python3");
-    REQUIRE_MESSAGE(!python.empty(), "python3 is needed for the HTTP metadata server");
+    if (kind == server_kind::python) {
+      const std::string python = which("python3");
+      REQUIRE_MESSAGE(!python.empty(), "python3 is needed for the HTTP metadata server");
+      proc = std::make_unique<process>(
+          std::vector<std::string>{python, KVLINK_HTTP_METADATA_SERVER, "--port",
+                                   std::to_string(port), "--token", token},
+          "");
+      const std::string line = proc->read_line();
+      REQUIRE_MESSAGE(line.rfind("PORT ", 0) == 0, "the metadata server said '" << line << "'");
+      port = static_cast<std::uint16_t>(std::stoul(line.substr(5)));
+      return;
+    }
+#ifdef KVLINK_MASTER_PATH
+    // The token through a settings file (it is a secret: not on the command line).
+    const std::string config =
+        "/tmp/kvlink-metadata-master-" + std::to_string(::getpid()) + ".json";
+    {
+      std::ofstream f(config);
+      f << nlohmann::json{{"store_metadata_token", token}}.dump();
+    }
     proc = std::make_unique<process>(
-        std::vector<std::string>{python, KVLINK_HTTP_METADATA_SERVER, "--port",
-                                 std::to_string(port), "--token", token},
+        std::vector<std::string>{KVLINK_MASTER_PATH, "--listen", "127.0.0.1:0", "--metadata-listen",
+                                 "127.0.0.1:" + std::to_string(port), "--config", config,
+                                 "--threads", "2"},
         "");
     const std::string line = proc->read_line();
-    REQUIRE_MESSAGE(line.rfind("PORT ", 0) == 0, "the metadata server said '" << line << "'");
-    port = static_cast<std::uint16_t>(std::stoul(line.substr(5)));
+    std::remove(config.c_str());
+    const std::string ready = "kvlink-master: metadata server on http://127.0.0.1:";
+    REQUIRE_MESSAGE(line.rfind(ready, 0) == 0, "kvlink-master said '" << line << "'");
+    port = static_cast<std::uint16_t>(std::stoul(line.substr(ready.size())));
+#endif
   }
   std::string url() const { return "http://127.0.0.1:" + std::to_string(port) + "/metadata"; }
 };
+
+void http_by_name_case(server_kind kind) {
+  http_server server(kind, "t0ken");
+  const nlohmann::json token{{"metadata_token", "t0ken"}};
+  auto b = start_child("decode-3", server.url(), 7, token);
+  local a(engine_config("prefill-0", server.url(), token));
+  const auto p_got = connect(a.io, a.e(), "decode-3");
+  const std::error_code ec = p_got.first;
+  kvlink::peer p = p_got.second;
+  REQUIRE_MESSAGE(!ec, ec.message());
+  CHECK(p.name() == "decode-3");
+  read_checked(a, p, 0, 0, child_size, 7);
+  write_checked(a, *b, p, 1024, 1u << 20, 5);
+  CHECK(connect(a.io, a.e(), "decode-9").first == kvlink::errc::name_not_found);
+
+  REQUIRE(b->command("REG 65536 11").rfind("OK", 0) == 0);
+  REQUIRE(eventually(
+      a.io, [&] { return p.segments().size() == 2; }, 10s));
+  read_checked(a, p, 1, 0, 65536, 11);
+
+  // A wrong token: refused at start, clearly.
+  try {
+    local bad(engine_config("x", server.url(), {{"metadata_token", "nope"}}));
+    FAIL("an engine started with a wrong metadata token");
+  } catch (const std::system_error& e) {
+    CHECK(e.code() == kvlink::errc::authentication_failed);
+    MESSAGE(std::string(e.what()));
+  }
+
+  CHECK(b->finish() == 0);  // DELETEs its key
+  CHECK(resolve(a.io, a.e(), "decode-3").first == kvlink::errc::name_not_found);
+}
+
+void http_server_down_case(server_kind kind) {
+  http_server server(kind, "");
+  auto b = start_child("decode-3", server.url(), 7);
+  local a(engine_config("prefill-0", server.url()));
+  const auto p_got = connect(a.io, a.e(), "decode-3");
+  const std::error_code ec = p_got.first;
+  kvlink::peer p = p_got.second;
+  REQUIRE_MESSAGE(!ec, ec.message());
+
+  server.proc.reset();  // killed
+  read_checked(a, p, 0, 0, 65536, 7);
+  CHECK(connect(a.io, a.e(), "decode-4").first == kvlink::errc::metadata_unavailable);
+  try {
+    local c(engine_config("decode-5", server.url()));
+    FAIL("an engine started without its metadata server");
+  } catch (const std::system_error& e) {
+    CHECK(e.code() == kvlink::errc::metadata_unavailable);
+    CHECK(std::string(e.what()).find(server.url()) != std::string::npos);
+  }
+  run_for(a.io, 500ms);
+  server.start();  // same port, empty
+  REQUIRE(eventually(
+      a.io, [&] { return !resolve(a.io, a.e(), "decode-3").first; }, 10s));
+  run_for(a.io, 3s);
+  CHECK(p.connected());
+  read_checked(a, p, 0, 0, 65536, 7);
+}
 
 }  // namespace
 
 TEST_SUITE("http") {
   TEST_CASE("http: two processes find each other by name through the metadata server") {
-    http_server server("t0ken");
-    const nlohmann::json token{{"metadata_token", "t0ken"}};
-    auto b = start_child("decode-3", server.url(), 7, token);
-    local a(engine_config("prefill-0", server.url(), token));
-    const auto p_got = connect(a.io, a.e(), "decode-3");
-    const std::error_code ec = p_got.first;
-    kvlink::peer p = p_got.second;
-    REQUIRE_MESSAGE(!ec, ec.message());
-    CHECK(p.name() == "decode-3");
-    read_checked(a, p, 0, 0, child_size, 7);
-    write_checked(a, *b, p, 1024, 1u << 20, 5);
-    CHECK(connect(a.io, a.e(), "decode-9").first == kvlink::errc::name_not_found);
-
-    REQUIRE(b->command("REG 65536 11").rfind("OK", 0) == 0);
-    REQUIRE(eventually(
-        a.io, [&] { return p.segments().size() == 2; }, 10s));
-    read_checked(a, p, 1, 0, 65536, 11);
-
-    // A wrong token: refused at start, clearly.
-    try {
-      local bad(engine_config("x", server.url(), {{"metadata_token", "nope"}}));
-      FAIL("an engine started with a wrong metadata token");
-    } catch (const std::system_error& e) {
-      CHECK(e.code() == kvlink::errc::authentication_failed);
-      MESSAGE(std::string(e.what()));
-    }
-
-    CHECK(b->finish() == 0);  // DELETEs its key
-    CHECK(resolve(a.io, a.e(), "decode-3").first == kvlink::errc::name_not_found);
+    http_by_name_case(server_kind::python);
   }
 
   TEST_CASE("http: a restarted engine fails in-flight work with instance_changed") {
-    http_server server("");
+    http_server server(server_kind::python, "");
     restart_case(server.url(), 10s);
   }
 
   TEST_CASE("http: an engine that stopped refreshing its entry is reported peer_unreachable") {
-    http_server server("");
+    http_server server(server_kind::python, "");
     expiry_case(server.url(), 2.0 + 2.5);
   }
 
   TEST_CASE("http: server down: peers keep working, lookups fail, publishing resumes") {
-    http_server server("");
-    auto b = start_child("decode-3", server.url(), 7);
-    local a(engine_config("prefill-0", server.url()));
-    const auto p_got = connect(a.io, a.e(), "decode-3");
-    const std::error_code ec = p_got.first;
-    kvlink::peer p = p_got.second;
-    REQUIRE_MESSAGE(!ec, ec.message());
-
-    server.proc.reset();  // killed
-    read_checked(a, p, 0, 0, 65536, 7);
-    CHECK(connect(a.io, a.e(), "decode-4").first == kvlink::errc::metadata_unavailable);
-    try {
-      local c(engine_config("decode-5", server.url()));
-      FAIL("an engine started without its metadata server");
-    } catch (const std::system_error& e) {
-      CHECK(e.code() == kvlink::errc::metadata_unavailable);
-      CHECK(std::string(e.what()).find(server.url()) != std::string::npos);
-    }
-    run_for(a.io, 500ms);
-    server.start();  // same port, empty
-    REQUIRE(eventually(
-        a.io, [&] { return !resolve(a.io, a.e(), "decode-3").first; }, 10s));
-    run_for(a.io, 3s);
-    CHECK(p.connected());
-    read_checked(a, p, 0, 0, 65536, 7);
+    http_server_down_case(server_kind::python);
   }
 }
+
+#ifdef KVLINK_MASTER_PATH
+// The same through kvlink-master's metadata server (ctest metadata.http_master).
+TEST_SUITE("http-master") {
+  TEST_CASE("http (kvlink-master): two processes find each other by name through the master") {
+    http_by_name_case(server_kind::master);
+  }
+
+  TEST_CASE("http (kvlink-master): an engine that stopped refreshing its entry is unreachable") {
+    http_server server(server_kind::master, "");
+    expiry_case(server.url(), 2.0 + 2.5);
+  }
+
+  TEST_CASE(
+      "http (kvlink-master): master restarted empty: peers keep working, publishing resumes") {
+    http_server_down_case(server_kind::master);
+  }
+}
+#endif
 
 // ====================================================================== example
 

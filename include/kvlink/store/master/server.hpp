@@ -1,7 +1,9 @@
 // The store master as a server: master_service (store/master/service.hpp)
 // behind a TCP listener that speaks the store wire (store/wire/protocol.hpp),
-// an optional HTTP endpoint (/health, /metrics, /segments) and the timers
-// that keep the pool healthy (liveness, reclaim, eviction). The
+// an optional HTTP endpoint (/health, /metrics, /segments), an optional
+// metadata server with Mooncake's HTTP protocol (store/master/metadata.hpp,
+// server_options::metadata_listen) and the timers that keep the pool
+// healthy (liveness, reclaim, eviction). The
 // `kvlink-master` program (tools/kvlink_master.cpp) is this plus a command
 // line; tests run it in-process.
 //
@@ -47,6 +49,8 @@
 #include <kvlink/detail/coroutines.hpp>
 #include <kvlink/detail/erased_handler.hpp>
 #include <kvlink/detail/log.hpp>
+#include <kvlink/store/master/http.hpp>
+#include <kvlink/store/master/metadata.hpp>
 #include <kvlink/store/master/service.hpp>
 #include <kvlink/store/wire/protocol.hpp>
 
@@ -59,6 +63,7 @@
 #include <iterator>
 #include <memory>
 #include <mutex>
+#include <optional>
 #include <set>
 #include <string>
 #include <string_view>
@@ -83,13 +88,6 @@
 #include <nlohmann/json.hpp>
 
 namespace kvlink::store {
-
-/// One HTTP answer of the master's endpoint.
-struct http_answer {
-  int status = 200;
-  std::string content_type = "text/plain; charset=utf-8";
-  std::string body;
-};
 
 /// The master's HTTP routes: GET /health (200 "ok"), GET /metrics
 /// (Prometheus text), GET /segments (JSON), and mooncake_master's
@@ -123,18 +121,6 @@ inline http_answer route_http(const master_service& svc, std::string_view method
           segments.dump(-1, ' ', false, nlohmann::json::error_handler_t::replace) + "\n"};
 }
 
-/// The bytes of an HTTP/1.1 response that closes the connection.
-inline std::string format_http(const http_answer& a) {
-  const char* reason = a.status == 200   ? "OK"
-                       : a.status == 400 ? "Bad Request"
-                       : a.status == 404 ? "Not Found"
-                       : a.status == 405 ? "Method Not Allowed"
-                                         : "Error";
-  return fmt::format(
-      "HTTP/1.1 {} {}\r\nContent-Type: {}\r\nContent-Length: {}\r\nConnection: close\r\n\r\n{}",
-      a.status, reason, a.content_type, a.body.size(), a.body);
-}
-
 class master_server {
  public:
   using executor_type = asio::any_io_executor;
@@ -162,6 +148,11 @@ class master_server {
   std::string local_address() const { return impl_->address; }
   /// host:port of the HTTP endpoint, "" when off.
   std::string http_address() const { return impl_->http_address; }
+  /// host:port of the metadata server, "" when off; engines use
+  /// "http://<it>/metadata".
+  std::string metadata_address() const { return impl_->metadata_address; }
+  /// The metadata server's table (empty when it is off).
+  const metadata_table& metadata() const noexcept { return impl_->metadata; }
   /// The master's instance id (its handshake identity).
   const instance_id& instance() const noexcept { return impl_->self; }
 
@@ -217,6 +208,7 @@ class master_server {
   };
 
   enum class tick { liveness, reclaim, eviction };
+  enum class listener { store, http, metadata };
 
   struct impl : std::enable_shared_from_this<impl> {
     impl(const executor_type& e, master_config cfg, server_options opt)
@@ -226,6 +218,8 @@ class master_server {
           self{make_instance_id()},
           acceptor{asio::make_strand(e)},
           http_acceptor{asio::make_strand(e)},
+          metadata_acceptor{asio::make_strand(e)},
+          metadata{opt.metadata_max_value, opt.metadata_capacity},
           liveness_timer{asio::make_strand(e)},
           reclaim_timer{asio::make_strand(e)},
           eviction_timer{asio::make_strand(e)} {
@@ -238,6 +232,9 @@ class master_server {
     void listen() {
       address = bind(acceptor, opt().listen);
       if (!opt().http_listen.empty()) http_address = bind(http_acceptor, opt().http_listen);
+      if (!opt().metadata_listen.empty()) {
+        metadata_address = bind(metadata_acceptor, opt().metadata_listen);
+      }
       if (!guard.enabled() && !acceptor.local_endpoint().address().is_loopback()) {
         kvlink::detail::log(
             "store master listening on {} without authentication: any process that reaches it "
@@ -246,9 +243,12 @@ class master_server {
             address);
       }
       auto me = shared_from_this();
-      spawn(acceptor.get_executor(), accept_loop(me, false, activity{me}));
+      spawn(acceptor.get_executor(), accept_loop(me, listener::store, activity{me}));
       if (!http_address.empty()) {
-        spawn(http_acceptor.get_executor(), accept_loop(me, true, activity{me}));
+        spawn(http_acceptor.get_executor(), accept_loop(me, listener::http, activity{me}));
+      }
+      if (!metadata_address.empty()) {
+        spawn(metadata_acceptor.get_executor(), accept_loop(me, listener::metadata, activity{me}));
       }
       spawn(liveness_timer.get_executor(), tick_loop(me, tick::liveness, activity{me}));
       spawn(reclaim_timer.get_executor(), tick_loop(me, tick::reclaim, activity{me}));
@@ -329,6 +329,10 @@ class master_server {
           std::error_code ignored;
           me->http_acceptor.close(ignored);
         });
+        on(metadata_acceptor.get_executor(), [me] {
+          std::error_code ignored;
+          me->metadata_acceptor.close(ignored);
+        });
         on(liveness_timer.get_executor(), [me] { me->liveness_timer.cancel(); });
         on(reclaim_timer.get_executor(), [me] { me->reclaim_timer.cancel(); });
         on(eviction_timer.get_executor(), [me] { me->eviction_timer.cancel(); });
@@ -384,8 +388,11 @@ class master_server {
     control::server_auth auth;
     asio::ip::tcp::acceptor acceptor;
     asio::ip::tcp::acceptor http_acceptor;
+    asio::ip::tcp::acceptor metadata_acceptor;
+    metadata_table metadata;
     std::string address;
     std::string http_address;
+    std::string metadata_address;
     asio::steady_timer liveness_timer;
     asio::steady_timer reclaim_timer;
     asio::steady_timer eviction_timer;
@@ -410,9 +417,11 @@ class master_server {
 
   // ---- accepting ------------------------------------------------------
 
-  static asio::awaitable<void> accept_loop(std::shared_ptr<impl> self, bool http, activity a) {
+  static asio::awaitable<void> accept_loop(std::shared_ptr<impl> self, listener which, activity a) {
     (void)a;
-    auto& acc = http ? self->http_acceptor : self->acceptor;
+    auto& acc = which == listener::store  ? self->acceptor
+                : which == listener::http ? self->http_acceptor
+                                          : self->metadata_acceptor;
     for (;;) {
       auto c = std::make_shared<connection>(asio::make_strand(self->ex));
       auto [ec] = co_await acc.async_accept(c->socket, control::use_nothrow);
@@ -445,8 +454,8 @@ class master_server {
         continue;
       }
       auto strand = c->strand;
-      if (http) {
-        impl::spawn(strand, serve_http(self, c, id, activity{self}));
+      if (which != listener::store) {
+        impl::spawn(strand, serve_http(self, c, id, which == listener::metadata, activity{self}));
       } else {
         impl::spawn(strand, serve_client(self, c, id, activity{self}));
       }
@@ -613,15 +622,22 @@ class master_server {
 
   static constexpr std::size_t max_http_request = 8192;
 
+  // One request per connection (the answer closes it): the head, up to
+  // max_http_request bytes; for the metadata server a PUT's body of
+  // Content-Length bytes (no more than store_metadata_max_value; "Expect:
+  // 100-continue" answered first). The whole exchange runs under the
+  // handshake timeout, so a silent or slow client cannot hold a connection.
   static asio::awaitable<void> serve_http(std::shared_ptr<impl> self, std::shared_ptr<connection> c,
-                                          std::uint64_t id, activity a) {
+                                          std::uint64_t id, bool metadata, activity a) {
     (void)a;
     {
       control::watchdog dog(c->strand, c->socket, self->opt().handshake_timeout);
       std::string request;
-      std::array<char, 2048> buf{};
+      std::array<char, 4096> buf{};
       bool ok = true;
-      while (request.find("\r\n\r\n") == std::string::npos && request.size() <= max_http_request) {
+      std::size_t end = std::string::npos;
+      while ((end = request.find("\r\n\r\n")) == std::string::npos &&
+             request.size() <= max_http_request) {
         auto [ec, n] = co_await c->socket.async_read_some(asio::buffer(buf), control::use_nothrow);
         if (ec) {
           ok = false;
@@ -630,23 +646,49 @@ class master_server {
         request.append(buf.data(), n);
       }
       if (ok) {
-        http_answer answer{400, "text/plain; charset=utf-8", "bad request\n"};
-        const std::size_t eol = request.find("\r\n");
-        if (request.size() <= max_http_request + sizeof buf && eol != std::string::npos) {
-          const std::string_view line(request.data(), eol);
-          const std::size_t sp1 = line.find(' ');
-          const std::size_t sp2 = sp1 == std::string_view::npos ? sp1 : line.find(' ', sp1 + 1);
-          if (sp2 != std::string_view::npos && line.substr(sp2 + 1).starts_with("HTTP/1.") &&
-              request.find("\r\n\r\n") != std::string::npos) {
-            answer =
-                route_http(self->service, line.substr(0, sp1), line.substr(sp1 + 1, sp2 - sp1 - 1));
+        constexpr std::string_view text = "text/plain; charset=utf-8";
+        http_answer answer{400, std::string(text), "bad request\n"};
+        std::optional<http_request> req;
+        if (end != std::string::npos && end + 4 <= max_http_request) {
+          req = parse_http_head(std::string_view(request).substr(0, end + 4));
+        }
+        if (req && !metadata) {
+          answer = route_http(self->service, req->method, req->target);
+        } else if (req && req->chunked) {
+          answer = {411, std::string(text), "send the body with a Content-Length\n"};
+        } else if (req && req->content_length > self->metadata.max_value()) {
+          answer = {413, std::string(text),
+                    fmt::format("a value over {} bytes (store_metadata_max_value)\n",
+                                self->metadata.max_value())};
+        } else if (req) {
+          const auto want = static_cast<std::size_t>(req->content_length);
+          std::string body = request.substr(end + 4);
+          if (body.size() < want && req->expect_continue) {
+            constexpr std::string_view cont = "HTTP/1.1 100 Continue\r\n\r\n";
+            auto [cec, cn] =
+                co_await asio::async_write(c->socket, asio::buffer(cont), control::use_nothrow);
+            (void)cn;
+            ok = !cec;
+          }
+          while (ok && body.size() < want) {
+            auto [ec, n] =
+                co_await c->socket.async_read_some(asio::buffer(buf), control::use_nothrow);
+            if (ec) ok = false;
+            body.append(buf.data(), n);
+          }
+          if (ok) {
+            body.resize(want);  // bytes after the body (a pipelined request) are dropped
+            req->body = body;
+            answer = route_metadata(self->metadata, self->opt().metadata_token, *req);
           }
         }
-        const std::string response = format_http(answer);
-        auto [wec, wn] =
-            co_await asio::async_write(c->socket, asio::buffer(response), control::use_nothrow);
-        (void)wec;
-        (void)wn;
+        if (ok) {
+          const std::string response = format_http(answer);
+          auto [wec, wn] =
+              co_await asio::async_write(c->socket, asio::buffer(response), control::use_nothrow);
+          (void)wec;
+          (void)wn;
+        }
       }
     }
     std::error_code ignored;

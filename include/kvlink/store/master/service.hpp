@@ -69,6 +69,15 @@ struct server_options {
   std::string listen = "0.0.0.0:50051";
   /// The HTTP endpoint (/health, /metrics, /segments): "host:port", "" = off.
   std::string http_listen{};
+  /// The metadata server with Mooncake's HTTP protocol (metadata.hpp):
+  /// "host:port", "" = off. Engines then use "http://host:port/metadata".
+  std::string metadata_listen{};
+  /// Bearer token the metadata server requires ("" = none).
+  std::string metadata_token{};
+  /// Largest value the metadata server keeps.
+  std::uint64_t metadata_max_value = 16u << 20;
+  /// Bytes of keys and values the metadata server keeps in all.
+  std::uint64_t metadata_capacity = 1ull << 30;
   /// Shared secret clients must prove they know; "" = none (logged).
   std::string auth_secret{};
   /// A file holding the secret (instead of auth_secret).
@@ -101,6 +110,15 @@ struct server_options {
       return kvlink::detail::fail(what,
                                   "store_http_listen: \"" + http_listen + "\" is not host:port");
     }
+    if (!metadata_listen.empty() && !split_host_port(metadata_listen, host, port)) {
+      return kvlink::detail::fail(
+          what, "store_metadata_listen: \"" + metadata_listen + "\" is not host:port");
+    }
+    if (metadata_max_value == 0 || metadata_capacity < metadata_max_value) {
+      return kvlink::detail::fail(what,
+                                  "store_metadata_max_value must be > 0 and "
+                                  "store_metadata_capacity >= store_metadata_max_value");
+    }
     if (!auth_secret.empty() && !auth_secret_file.empty()) {
       return kvlink::detail::fail(
           what, "store_auth_secret and store_auth_secret_file: set one, not both");
@@ -128,6 +146,19 @@ inline constexpr std::array server_settings{
                                 &server_options::http_listen,
                                 "HTTP endpoint for /health, /metrics, /segments: host:port, "
                                 "\"\" = off"},
+    setting_row<server_options>{"store_metadata_listen", "KVLINK_STORE_METADATA_LISTEN",
+                                setting_kind::text, &server_options::metadata_listen,
+                                "metadata server with Mooncake's HTTP protocol (engines use "
+                                "http://host:port/metadata): host:port, \"\" = off"},
+    setting_row<server_options>{"store_metadata_token", "KVLINK_STORE_METADATA_TOKEN",
+                                setting_kind::text, &server_options::metadata_token,
+                                "bearer token the metadata server requires (\"\" = none)", true},
+    setting_row<server_options>{"store_metadata_max_value", "KVLINK_STORE_METADATA_MAX_VALUE",
+                                setting_kind::size, &server_options::metadata_max_value,
+                                "largest value the metadata server keeps, in bytes"},
+    setting_row<server_options>{"store_metadata_capacity", "KVLINK_STORE_METADATA_CAPACITY",
+                                setting_kind::size, &server_options::metadata_capacity,
+                                "bytes of keys and values the metadata server keeps in all"},
     setting_row<server_options>{"store_auth_secret", "KVLINK_STORE_AUTH_SECRET", setting_kind::text,
                                 &server_options::auth_secret,
                                 "shared secret every client must prove it knows (\"\" = none)",
