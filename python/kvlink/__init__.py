@@ -714,6 +714,14 @@ class StoreClient:
         returns how many went."""
         return self._core.remove_all(force)
 
+    def describe_batch(self, keys: List[str]) -> List[Dict[str, Any]]:
+        """Where each key's object is, in input order, without reading it and
+        without a read lease (a replica may be gone by the time it is used):
+        {"code": 0, "size": n, "replicas": [{"segment", "offset", "address"
+        (its owner's engine), "host", "local" (a segment of this client)}]},
+        or {"code": Mooncake's negative code, "error": the error's name}."""
+        return self._core.describe_batch(keys)
+
     def stats(self) -> Dict[str, int]:
         """The pool's totals: capacity, used, objects, in_progress, reserved, segments."""
         return self._core.stats()

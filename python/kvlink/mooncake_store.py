@@ -25,12 +25,15 @@ batch_put_from_multi_buffers, batch_get_into_multi_buffers (through a
 registered staging buffer: kvlink's client moves one contiguous range per
 object), get_buffer and batch_get_buffer (BufferHandle: the bytes copied
 into memory of the call), register_buffer, unregister_buffer, is_exist,
-batch_is_exist, remove, batch_remove, remove_all. Not offered: setup_dummy
-(it needs a kvlink-store-client process that holds the segment for the
-ranks of a host, which kvlink does not have yet), replica descriptors (batch_get_replica_desc: the
-client does not expose the master's replica lists), SSD offload, tenants
-other than "default", and ReplicateConfig.preferred_segment(s), which is
-accepted and logged but not used (kvlink places by segment id).
+batch_is_exist, remove, batch_remove, remove_all, batch_get_replica_desc
+and get_replica_desc (ReplicaDescriptor, ReplicaStatus, MemoryDescriptor,
+Descriptor: each replica's owner endpoint, offset in its segment and size,
+no read lease taken), SoftPinAction (ENABLE pins), MooncakeHostMemAllocator.
+Not offered: setup_dummy (it needs a kvlink-store-client process that holds
+the segment for the ranks of a host, which kvlink does not have yet), SSD
+offload, tenants other than "default", and ReplicateConfig's
+preferred_segment(s), soft_pin_ttl_ms and group_ids, which are accepted
+(the first two logged) but not used (kvlink places by segment id).
 """
 
 from __future__ import annotations
@@ -38,8 +41,10 @@ from __future__ import annotations
 import bisect
 import ctypes
 import dataclasses
+import enum
 import json
 import logging
+import mmap
 import os
 import re
 import threading
@@ -47,7 +52,9 @@ from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple
 
 from . import Error, StoreClient, _error
 
-__all__ = ["BufferHandle", "MooncakeConfig", "MooncakeDistributedStore", "ReplicateConfig"]
+__all__ = ["BufferHandle", "Descriptor", "DiskDescriptor", "MemoryDescriptor", "MooncakeConfig",
+           "MooncakeDistributedStore", "MooncakeHostMemAllocator", "ReplicaDescriptor",
+           "ReplicaStatus", "ReplicateConfig", "SoftPinAction"]
 
 log = logging.getLogger("kvlink.mooncake.store")
 
@@ -71,20 +78,127 @@ def _size(value: Any) -> int:
     return int(float(m.group(1)) * _UNITS[m.group(2).lower()])
 
 
+class SoftPinAction(enum.IntEnum):
+    """What a put does with the object's soft pin (Mooncake's SoftPinAction):
+    ENABLE pins it, DISABLE does not, PRESERVE keeps what the object had
+    (kvlink never rewrites an object, so a new one is not pinned)."""
+    PRESERVE = 0
+    ENABLE = 1
+    DISABLE = 2
+
+
 class ReplicateConfig:
     """How a put places its object (Mooncake's ReplicateConfig)."""
 
     def __init__(self) -> None:
         self.replica_num = 1
         self.with_soft_pin = False
+        self.soft_pin_action = SoftPinAction.PRESERVE
+        self.soft_pin_ttl_ms: Optional[int] = None
         self.with_hard_pin = False
         self.preferred_segment = ""
         self.preferred_segments: List[str] = []
         self.prefer_alloc_in_same_node = False
+        self.group_ids: Optional[List[str]] = None
 
     def __repr__(self) -> str:
         return (f"ReplicateConfig(replica_num={self.replica_num}, "
-                f"with_soft_pin={self.with_soft_pin}, with_hard_pin={self.with_hard_pin})")
+                f"with_soft_pin={self.with_soft_pin}, soft_pin_action={self.soft_pin_action!r}, "
+                f"with_hard_pin={self.with_hard_pin})")
+
+
+class ReplicaStatus(enum.IntEnum):
+    """A replica's state (Mooncake's ReplicaStatus); kvlink describes
+    complete objects only."""
+    UNDEFINED = 0
+    INITIALIZED = 1
+    PROCESSING = 2
+    COMPLETE = 3
+    REMOVED = 4
+    FAILED = 5
+
+
+@dataclasses.dataclass
+class Descriptor:
+    """Where a memory replica's bytes are (Mooncake's buffer Descriptor):
+    transport_endpoint is its owner's engine address; buffer_address is the
+    object's offset in the owner's segment (kvlink addresses segments by
+    offset, not by the owner's virtual addresses)."""
+    size: int = 0
+    buffer_address: int = 0
+    transport_endpoint: str = ""
+
+
+@dataclasses.dataclass
+class MemoryDescriptor:
+    buffer_descriptor: Descriptor = dataclasses.field(default_factory=Descriptor)
+
+
+@dataclasses.dataclass
+class DiskDescriptor:
+    file_path: str = ""
+    object_size: int = 0
+
+
+class ReplicaDescriptor:
+    """One replica of an object (Mooncake's ReplicaDescriptor): in memory,
+    complete (kvlink has no disk tier yet)."""
+
+    def __init__(self, memory: MemoryDescriptor,
+                 status: ReplicaStatus = ReplicaStatus.COMPLETE) -> None:
+        self.status = status
+        self._memory = memory
+
+    def is_memory_replica(self) -> bool:
+        return True
+
+    def is_disk_replica(self) -> bool:
+        return False
+
+    def is_local_disk_replica(self) -> bool:
+        return False
+
+    def get_memory_descriptor(self) -> MemoryDescriptor:
+        return self._memory
+
+    def get_disk_descriptor(self) -> DiskDescriptor:
+        raise RuntimeError("not a disk replica: kvlink's replicas are in memory")
+
+    def __repr__(self) -> str:
+        d = self._memory.buffer_descriptor
+        return (f"<ReplicaDescriptor {self.status.name} memory endpoint={d.transport_endpoint} "
+                f"address={d.buffer_address} size={d.size}>")
+
+
+class MooncakeHostMemAllocator:
+    """Page-aligned host memory for buffers to register (Mooncake's
+    MooncakeHostMemAllocator): alloc(size) gives an address, free(address)
+    returns it (0 on success, -1 for an address it did not give)."""
+
+    def __init__(self) -> None:
+        self._blocks: Dict[int, Any] = {}
+        self._lock = threading.Lock()
+
+    def alloc(self, size: int) -> int:
+        if size <= 0:
+            raise ValueError(f"alloc: size must be > 0, not {size}")
+        block = mmap.mmap(-1, size)  # anonymous, page-aligned, zeroed
+        address = ctypes.addressof(ctypes.c_char.from_buffer(block))
+        with self._lock:
+            self._blocks[address] = block
+        return address
+
+    def free(self, address: int) -> int:
+        with self._lock:
+            block = self._blocks.pop(address, None)
+        if block is None:
+            return -1
+        try:
+            block.close()
+        except BufferError:
+            # Something still exports the memory (a view): it goes when that does.
+            pass
+        return 0
 
 
 def _code(e: BaseException, what: str) -> int:
@@ -414,7 +528,11 @@ class MooncakeDistributedStore:
             return {}
         if config.preferred_segment or config.preferred_segments:
             log.warning("ReplicateConfig.preferred_segment(s) is not used by kvlink")
-        return {"replicas": int(config.replica_num), "soft_pin": bool(config.with_soft_pin),
+        if config.soft_pin_ttl_ms is not None:
+            log.warning("ReplicateConfig.soft_pin_ttl_ms is not used by kvlink (the master's "
+                        "store_soft_pin_ttl applies)")
+        soft = bool(config.with_soft_pin) or config.soft_pin_action == SoftPinAction.ENABLE
+        return {"replicas": int(config.replica_num), "soft_pin": soft,
                 "hard_pin": bool(config.with_hard_pin)}
 
     @staticmethod
@@ -767,6 +885,27 @@ class MooncakeDistributedStore:
         except Exception as e:  # noqa: BLE001
             _code(e, "batch_is_exist")
             return [-1] * len(keys)
+
+    # -- where objects are
+    def batch_get_replica_desc(self, keys: List[str]) -> Dict[str, List[ReplicaDescriptor]]:
+        """The replicas of each key that has a complete object (keys without
+        one are left out), without reading them and without a read lease."""
+        try:
+            described = self._s().describe_batch(keys)
+        except Exception as e:  # noqa: BLE001 (Mooncake returns, never raises)
+            _code(e, "batch_get_replica_desc")
+            return {}
+        out: Dict[str, List[ReplicaDescriptor]] = {}
+        for key, d in zip(keys, described):
+            if d["code"] != 0:
+                continue
+            out[key] = [ReplicaDescriptor(MemoryDescriptor(
+                Descriptor(d["size"], r["offset"], r["address"]))) for r in d["replicas"]]
+        return out
+
+    def get_replica_desc(self, key: str) -> List[ReplicaDescriptor]:
+        """batch_get_replica_desc for one key: [] when it has no object."""
+        return self.batch_get_replica_desc([key]).get(key, [])
 
     def remove(self, key: str, force: bool = False) -> int:
         return self.batch_remove([key], force)[0]

@@ -1,4 +1,5 @@
 # Type stubs of kvlink.mooncake_store (mooncake.store through the alias).
+import enum
 from typing import Any, Dict, List, Optional, Union, overload
 
 Size = Union[int, str]  # bytes, or "4GB"
@@ -30,14 +31,58 @@ class BufferHandle(bytearray):
     def ptr(self) -> int: ...
     def size(self) -> int: ...
 
+class SoftPinAction(enum.IntEnum):
+    PRESERVE = 0
+    ENABLE = 1
+    DISABLE = 2
+
 class ReplicateConfig:
     replica_num: int
     with_soft_pin: bool
+    soft_pin_action: SoftPinAction
+    soft_pin_ttl_ms: Optional[int]  # accepted, logged, not used
     with_hard_pin: bool
     preferred_segment: str  # accepted, logged, not used
     preferred_segments: List[str]
     prefer_alloc_in_same_node: bool
+    group_ids: Optional[List[str]]  # accepted, not used
     def __init__(self) -> None: ...
+
+class ReplicaStatus(enum.IntEnum):
+    UNDEFINED = 0
+    INITIALIZED = 1
+    PROCESSING = 2
+    COMPLETE = 3
+    REMOVED = 4
+    FAILED = 5
+
+class Descriptor:
+    size: int
+    buffer_address: int  # the object's offset in its owner's segment
+    transport_endpoint: str  # the owner's engine address
+    def __init__(self, size: int = 0, buffer_address: int = 0,
+                 transport_endpoint: str = "") -> None: ...
+
+class MemoryDescriptor:
+    buffer_descriptor: Descriptor
+    def __init__(self, buffer_descriptor: Descriptor = ...) -> None: ...
+
+class DiskDescriptor:
+    file_path: str
+    object_size: int
+
+class ReplicaDescriptor:
+    status: ReplicaStatus
+    def is_memory_replica(self) -> bool: ...
+    def is_disk_replica(self) -> bool: ...
+    def is_local_disk_replica(self) -> bool: ...
+    def get_memory_descriptor(self) -> MemoryDescriptor: ...
+    def get_disk_descriptor(self) -> DiskDescriptor: ...
+
+class MooncakeHostMemAllocator:
+    def __init__(self) -> None: ...
+    def alloc(self, size: int) -> int: ...
+    def free(self, address: int) -> int: ...
 
 class MooncakeDistributedStore:
     def __init__(self) -> None: ...
@@ -80,6 +125,8 @@ class MooncakeDistributedStore:
     def unregister_buffer(self, buffer_ptr: int) -> int: ...
     def is_exist(self, key: str) -> int: ...
     def batch_is_exist(self, keys: List[str]) -> List[int]: ...
+    def batch_get_replica_desc(self, keys: List[str]) -> Dict[str, List[ReplicaDescriptor]]: ...
+    def get_replica_desc(self, key: str) -> List[ReplicaDescriptor]: ...
     def remove(self, key: str, force: bool = False) -> int: ...
     def batch_remove(self, keys: List[str], force: bool = False) -> List[int]: ...
     def remove_all(self, force: bool = False) -> int: ...

@@ -784,6 +784,7 @@ PYBIND11_MODULE(_kvlink, m) {
           },
           py::arg("key"), py::arg("force"))
       .def("remove_all", &kp::py_store::remove_all, py::arg("force"))
+      .def("describe_batch", &kp::py_store::describe_batch, py::arg("keys"))
       .def("stats", &kp::py_store::stats);
 
   py::class_<kp::py_device_buffer>(m, "DeviceBuffer",

@@ -420,6 +420,45 @@ class py_store {
     return results;
   }
 
+  // One dict per key, in input order: {"code": 0, "size": n, "replicas":
+  // [{"segment", "offset", "address", "host", "local"}]} or {"code": the
+  // Mooncake code, "error": the error's name}.
+  py::list describe_batch(py::handle keys) {
+    auto k = read_keys(keys, "describe_batch");
+    std::vector<store::object_description> d(k.keys.size());
+    {
+      py::gil_scoped_release nogil;
+      run_nogil("describe_batch", [&](store::client& c, auto done) {
+        c.async_describe_batch(k.views, d, [done](std::error_code ec) { done(ec); });
+      });
+    }
+    py::list out;
+    for (const auto& one : d) {
+      py::dict e;
+      if (one.ec) {
+        e["code"] = mooncake_code(one.ec);
+        e["error"] = error_name(one.ec);
+        out.append(e);
+        continue;
+      }
+      e["code"] = 0;
+      e["size"] = one.size;
+      py::list reps;
+      for (const auto& r : one.replicas) {
+        py::dict x;
+        x["segment"] = r.segment;
+        x["offset"] = r.offset;
+        x["address"] = r.address;
+        x["host"] = r.host;
+        x["local"] = r.local;
+        reps.append(x);
+      }
+      e["replicas"] = reps;
+      out.append(e);
+    }
+    return out;
+  }
+
   std::uint64_t remove_all(bool force) {
     auto n = std::make_shared<std::uint64_t>(0);
     run("remove_all", [&](store::client& c, auto done) {

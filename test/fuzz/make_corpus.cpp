@@ -399,6 +399,7 @@ void store_wire() {
   p += store_step(0, mt::put_start, puts);
   p += store_step(0, mt::put_end, keys({"a", "b", "zz"}, false, false));
   p += store_step(1, mt::get, keys({"a", "b", "c"}, false, false));
+  p += store_step(0, mt::replicas, keys({"a", "c"}, false, false));
   p += store_step(1, mt::exists, keys({"a", "nope"}, false, false));
   p += store_step(0x21, mt::remove, keys({"a", "b"}, true, true));
   p += store_step(0, mt::stats, [](wire::writer&) {});

@@ -84,6 +84,7 @@ long keys_of(wire::message_type t, std::span<const unsigned char> body) {
     case wire::message_type::put_end:
     case wire::message_type::put_revoke:
     case wire::message_type::get:
+    case wire::message_type::replicas:
     case wire::message_type::exists:
     case wire::message_type::remove: {
       wire::key_batch b;
@@ -137,11 +138,17 @@ void check_reply(const std::string& reply, const wire::frame_header& req,
       break;
     }
     case wire::message_type::put_start:
-    case wire::message_type::get: {
+    case wire::message_type::get:
+    case wire::message_type::replicas: {
+      const bool sized = req.kind() != wire::message_type::put_start;
       wire::placement_list p;
-      KVLINK_FUZZ_CHECK(!p.decode(r, req.kind() == wire::message_type::get));
+      KVLINK_FUZZ_CHECK(!p.decode(r, sized));
       KVLINK_FUZZ_CHECK(static_cast<long>(p.entries.size()) == keys);
       for (const auto& e : p.entries) KVLINK_FUZZ_CHECK(e.code != 0 || e.count >= 1);
+      // A description grants no lease.
+      if (req.kind() == wire::message_type::replicas) {
+        for (const auto& e : p.entries) KVLINK_FUZZ_CHECK(e.lease_ms == 0);
+      }
       break;
     }
     case wire::message_type::stats: {

@@ -6,8 +6,10 @@ memory, with Mooncake's integer results and every byte checked."""
 import ctypes
 
 import numpy as np
+import pytest
 
-from kvlink.mooncake_store import MooncakeDistributedStore, ReplicateConfig
+from kvlink.mooncake_store import (MooncakeDistributedStore, MooncakeHostMemAllocator,
+                                   ReplicaStatus, ReplicateConfig, SoftPinAction)
 from store_support import master, peer, start_master, stop  # noqa: F401 (fixtures)
 from store_support import mooncake_store as store  # noqa: F401 (a fixture)
 
@@ -86,6 +88,66 @@ def test_pool_full_then_space_after_remove():
         assert s.close() == 0
     finally:
         stop(proc)
+
+
+def test_replica_descriptors(store, peer, master):
+    """batch_get_replica_desc: each replica's owner, offset and size; keys
+    without an object left out; no read lease taken."""
+    other = MooncakeDistributedStore()  # a second holder: 4 MiB of its own
+    assert other.setup("127.0.0.1", "P2PHANDSHAKE", "4MB", "16MB", "tcp", "", master) == 0
+    try:
+        two = ReplicateConfig()
+        two.replica_num = 2
+        two.soft_pin_action = SoftPinAction.ENABLE
+        data = blob(100_000, 7)
+        assert store.put("d/two", data, two) == 0
+        assert store.put("d/one", b"x" * 10) == 0
+        got = store.batch_get_replica_desc(["d/two", "d/missing", "d/one"])
+        assert set(got) == {"d/two", "d/one"}
+        assert len(got["d/two"]) == 2 and len(got["d/one"]) == 1
+        endpoints = set()
+        for r in got["d/two"]:
+            assert r.status == ReplicaStatus.COMPLETE
+            assert r.is_memory_replica() and not r.is_disk_replica()
+            assert not r.is_local_disk_replica()
+            d = r.get_memory_descriptor().buffer_descriptor
+            assert d.size == 100_000 and d.buffer_address + d.size <= 8 << 20
+            endpoints.add(d.transport_endpoint)
+        assert endpoints == {peer.address, other.get_hostname()}
+        with pytest.raises(RuntimeError):
+            got["d/one"][0].get_disk_descriptor()
+        assert store.get_replica_desc("d/missing") == []
+        assert [r.get_memory_descriptor().buffer_descriptor.size
+                for r in other.get_replica_desc("d/one")] == [10]
+        # Described, not read: no lease, so a plain remove succeeds; after a
+        # get it is refused while the lease runs (-706).
+        assert store.remove("d/two") == 0
+        assert store.get("d/one") == b"x" * 10
+        assert store.remove("d/one") == -706
+        assert store.batch_get_replica_desc([]) == {}
+    finally:
+        assert other.close() == 0
+
+
+def test_host_memory_allocator(store, peer):
+    """MooncakeHostMemAllocator: memory to register and move from."""
+    alloc = MooncakeHostMemAllocator()
+    base = alloc.alloc(1 << 20)
+    assert base % 4096 == 0
+    view = (ctypes.c_ubyte * (1 << 20)).from_address(base)
+    data = blob(8192, 8)
+    ctypes.memmove(base, data, len(data))
+    assert store.register_buffer(base, 1 << 20) == 0
+    assert store.batch_put_from(["h/0", "h/1"], [base, base + 4096], [4096, 4096]) == [0, 0]
+    assert peer.call("get", key="h/1") == {"hex": data[4096:].hex()}
+    assert store.get_into("h/0", base + (1 << 19), 4096) == 4096
+    assert bytes(view[1 << 19:(1 << 19) + 4096]) == data[:4096]
+    del view
+    assert store.unregister_buffer(base) == 0
+    assert alloc.free(base) == 0
+    assert alloc.free(base) == -1
+    with pytest.raises(ValueError):
+        alloc.alloc(0)
 
 
 def test_setup_failures_give_minus_one(master):

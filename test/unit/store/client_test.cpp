@@ -10,6 +10,7 @@
 #include <cstddef>
 #include <future>
 #include <memory>
+#include <set>
 #include <string>
 #include <thread>
 #include <vector>
@@ -252,6 +253,58 @@ TEST_CASE("store client: replicas on distinct segments; batches with results in 
   for (std::size_t i = 0; i < n; ++i) CHECK(results[i] == std::error_code{});
   c.client.async_exists_batch(keys, results, asio::use_future).get();
   for (std::size_t i = 0; i < n; ++i) CHECK(results[i] == kvlink::store_errc::object_not_found);
+}
+
+TEST_CASE("store client: replica descriptions name each replica's owner and take no lease") {
+  rig r;
+  member a(r, 4u << 20);
+  member b(r, 4u << 20);
+  member c(r, 0);
+  store::put_config two;
+  two.replicas = 2;
+  REQUIRE(c.put("two", 0, 300'000, 4, two) == std::error_code{});
+  REQUIRE(c.put("one", 0, 1000, 5) == std::error_code{});
+  const std::vector<std::string_view> keys{"two", "missing", "one", ""};
+  std::vector<store::object_description> d(keys.size());
+  c.client.async_describe_batch(keys, d, asio::use_future).get();
+  REQUIRE(d[0].ec == std::error_code{});
+  CHECK(d[0].size == 300'000);
+  REQUIRE(d[0].replicas.size() == 2);
+  std::set<std::string> owners;
+  for (const auto& rep : d[0].replicas) {
+    owners.insert(rep.address);
+    CHECK(rep.host == "127.0.0.1");
+    CHECK_FALSE(rep.local);
+    CHECK(rep.offset + 300'000 <= 4u << 20);
+  }
+  CHECK(owners == std::set<std::string>{a.eng.local_address(), b.eng.local_address()});
+  CHECK(d[1].ec == kvlink::store_errc::object_not_found);
+  CHECK(d[1].replicas.empty());
+  REQUIRE(d[2].ec == std::error_code{});
+  CHECK(d[2].size == 1000);
+  CHECK(d[2].replicas.size() == 1);
+  CHECK(d[3].ec == kvlink::store_errc::invalid_key);
+  // The replica of "one" is found where the description says: the bytes at
+  // that offset of its owner's pool are the object's.
+  const auto& one = d[2].replicas[0];
+  member& owner = one.address == a.eng.local_address() ? a : b;
+  CHECK(is_pattern(owner.pool.data() + one.offset, 1000, 5, 0));
+  // Described from an owner: its own segment is local.
+  std::vector<store::object_description> from_a(keys.size());
+  a.client.async_describe_batch(keys, from_a, asio::use_future).get();
+  std::size_t local = 0;
+  for (const auto& rep : from_a[0].replicas) local += rep.local ? 1 : 0;
+  CHECK(local == 1);
+  // No lease was taken: a plain remove succeeds (after a get it is refused).
+  CHECK(error_of([&](auto h) { c.client.async_remove("two", false, h); }) == std::error_code{});
+  std::uint64_t size = 0;
+  REQUIRE(c.get("one", 0, c.work.size(), size) == std::error_code{});
+  CHECK(error_of([&](auto h) { c.client.async_remove("one", false, h); }) ==
+        kvlink::store_errc::object_has_lease);
+  // Columns of different lengths.
+  std::vector<store::object_description> short_out(1);
+  CHECK(error_of([&](auto h) { c.client.async_describe_batch(keys, short_out, h); }) ==
+        kvlink::errc::invalid_argument);
 }
 
 TEST_CASE("store client: 8 clients x 8 threads at once") {

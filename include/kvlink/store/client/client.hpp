@@ -68,6 +68,7 @@
 #include <deque>
 #include <fstream>
 #include <iterator>
+#include <map>
 #include <memory>
 #include <span>
 #include <string>
@@ -104,6 +105,22 @@ struct client_options {
   std::chrono::milliseconds reconnect_interval{500};
   /// The largest reply accepted (bytes of a frame's body).
   std::uint32_t max_body = wire::default_max_body;
+};
+
+/// Where one replica of an object is (client::async_describe_batch).
+struct replica_location {
+  std::uint64_t segment = 0;  ///< the store's id of its segment
+  std::uint64_t offset = 0;   ///< where the object starts in it
+  std::string address;        ///< the owner's engine address; "" when the segment is gone
+  std::string host;           ///< the owner's host
+  bool local = false;         ///< a segment this client mounted
+};
+
+/// One key's description (client::async_describe_batch).
+struct object_description {
+  std::error_code ec;  ///< {} or object_not_found, object_in_progress, invalid_key, ...
+  std::uint64_t size = 0;
+  std::vector<replica_location> replicas;
 };
 
 /// How a put wants its objects placed and kept (Mooncake's ReplicateConfig).
@@ -442,6 +459,74 @@ class client_state : public std::enable_shared_from_this<client_state> {
       }
     }
     co_return std::error_code{};
+  }
+
+  // Where keys' objects are, without a lease and without connecting to
+  // their owners: one replicas request, then one segment_info per segment
+  // this client has not located yet.
+  asio::awaitable<result<>> describe(std::vector<std::string> keys,
+                                     std::span<object_description> out, bool ok) {
+    if (!ok) co_return result<>{make_error_code(errc::invalid_argument)};
+    for (auto& d : out) d = object_description{};
+    if (keys.empty()) co_return result<>{};
+    wire::writer w(wire::message_type::replicas, 0, false);
+    wire::key_batch q;
+    q.keys.assign(keys.begin(), keys.end());
+    q.encode(w, false);
+    std::string body;
+    std::string frame = w.take();
+    if (auto ec = co_await request(std::move(frame), body)) co_return result<>{ec};
+    wire::placement_list placed;
+    {
+      wire::reader r(body);
+      if (placed.decode(r, true) || placed.entries.size() != keys.size()) {
+        co_return result<>{make_error_code(errc::malformed_message)};
+      }
+    }
+    std::map<std::uint64_t, replica_location> seen;  // by segment, offset 0
+    for (std::size_t i = 0; i < keys.size(); ++i) {
+      const auto& e = placed.entries[i];
+      if (e.code != 0) {
+        out[i].ec = store_error(e.code);
+        continue;
+      }
+      out[i].size = e.size;
+      for (const auto& rep : e.list()) {
+        auto it = seen.find(rep.segment);
+        if (it == seen.end()) {
+          replica_location where;
+          where.segment = rep.segment;
+          if (auto loc = locations_.find(rep.segment);
+              loc != locations_.end() && loc->second.local != nullptr) {
+            where.local = true;
+          }
+          for (const auto& m : mounts_)
+            where.local = where.local || m.master_segment == rep.segment;
+          if (where.local) {
+            where.address = eng_.local_address();
+            where.host = host_;
+          } else {
+            wire::writer sw(wire::message_type::segment_info, 0, false);
+            sw.u64(rep.segment);
+            std::string sbody;
+            std::string sframe = sw.take();
+            const auto sec = co_await request(std::move(sframe), sbody);
+            if (sec && sec != store_errc::segment_not_found) co_return result<>{sec};
+            wire::segment_location l;
+            wire::reader r(sbody);
+            if (!sec && !l.decode(r)) {
+              where.address = std::string(l.address);
+              where.host = std::string(l.host);
+            }
+          }
+          it = seen.emplace(rep.segment, std::move(where)).first;
+        }
+        replica_location one = it->second;
+        one.offset = rep.offset;
+        out[i].replicas.push_back(std::move(one));
+      }
+    }
+    co_return result<>{};
   }
 
   /// exists (0: it exists), remove, put_end, put_revoke over all `keys`.
@@ -1083,6 +1168,24 @@ class client {
   auto async_exists_batch(std::span<const std::string_view> keys,
                           std::span<std::error_code> results, Token&& token = Token{}) {
     return keys_batch(wire::message_type::exists, keys, false, results, std::forward<Token>(token));
+  }
+
+  /// Where keys' objects are (Mooncake's batch_get_replica_desc): results[i]
+  /// gets key i's size and replicas (segment, offset, its owner's engine
+  /// address and host), or its error (object_not_found, object_in_progress,
+  /// ...). No read lease is taken, so a replica may be gone by the time it
+  /// is used: read with async_get. `results` must stay valid until the
+  /// handler runs. Signature: void(std::error_code) for the batch.
+  template <class Token = asio::default_completion_token_t<executor_type>>
+  auto async_describe_batch(std::span<const std::string_view> keys,
+                            std::span<object_description> results, Token&& token = Token{}) {
+    const bool ok = results.size() == keys.size();
+    std::vector<std::string> copy;
+    if (ok) copy.assign(keys.begin(), keys.end());
+    return run<void(std::error_code)>(std::forward<Token>(token),
+                                      [copy = std::move(copy), results, ok](state& s) mutable {
+                                        return s.describe(std::move(copy), results, ok);
+                                      });
   }
 
   /// Removes `key` (force: even while it is read or hard-pinned).

@@ -538,6 +538,18 @@ class object_table {
   /// lease_ttl (a lease is only ever extended). object_not_found,
   /// object_in_progress, invalid_key.
   std::error_code get(std::string_view key, master_time now, object_info& out) {
+    return look_up(key, &now, out);
+  }
+
+  /// get() without a lease: where a complete object's replicas are
+  /// (Mooncake's replica descriptors). Nothing is promised about them: a
+  /// reader takes a lease with get().
+  std::error_code describe(std::string_view key, object_info& out) {
+    return look_up(key, nullptr, out);
+  }
+
+ private:
+  std::error_code look_up(std::string_view key, const master_time* lease_from, object_info& out) {
     out.replicas.clear();
     if (auto ec = check_key(key)) return ec;
     shard& sh = shard_of(detail::hash_key(key));
@@ -546,7 +558,7 @@ class object_table {
     if (it == nullptr) return store_errc::object_not_found;
     detail::object_meta& o = *it;
     if (!o.is(detail::object_meta::complete)) return store_errc::object_in_progress;
-    grant_lease(o, now);
+    if (lease_from != nullptr) grant_lease(o, *lease_from);
     out.size = o.size;
     out.lease_until = master_time{std::chrono::milliseconds{o.time_ms}};
     for (std::size_t i = 0; i < o.count(); ++i) {
@@ -556,6 +568,7 @@ class object_table {
     return {};
   }
 
+ public:
   /// Whether a complete object has the key: success, object_not_found,
   /// object_in_progress or invalid_key. Grants a read lease when
   /// lease_on_exists (as Mooncake's ExistKey).

@@ -47,6 +47,7 @@
 #include <atomic>
 #include <chrono>
 #include <cstdint>
+#include <initializer_list>
 #include <map>
 #include <memory>
 #include <mutex>
@@ -499,21 +500,25 @@ class master_service {
         out.encode(w);
         break;
       }
-      case wire::message_type::get: {
+      case wire::message_type::get:
+      case wire::message_type::replicas: {
         wire::key_batch b;
         if ((dec = b.decode(r, false))) break;
         keys_[slot].fetch_add(b.keys.size(), std::memory_order_relaxed);
+        const bool lease = kind == wire::message_type::get;
         wire::placement_list out;
         out.entries.resize(b.keys.size());
         object_info info;
         for (std::size_t i = 0; i < b.keys.size(); ++i) {
-          const auto ec = table_.get(b.keys[i], now, info);
+          const auto ec =
+              lease ? table_.get(b.keys[i], now, info) : table_.describe(b.keys[i], info);
           auto& e = out.entries[i];
           e.code = code_of(ec);
           if (ec) continue;
           e.size = info.size;
           const auto left = (info.lease_until - now).count();
-          e.lease_ms = static_cast<std::uint32_t>(std::clamp<std::int64_t>(left, 0, UINT32_MAX));
+          e.lease_ms =
+              lease ? static_cast<std::uint32_t>(std::clamp<std::int64_t>(left, 0, UINT32_MAX)) : 0;
           e.count = static_cast<std::uint8_t>(std::min(info.replicas.size(), e.replicas.size()));
           for (std::size_t k = 0; k < e.count; ++k) {
             e.replicas[k] = {info.replicas[k].segment.value(), info.replicas[k].offset};
@@ -629,14 +634,14 @@ class master_service {
     gauge("kvlink_store_puts_in_progress", "Puts started and not ended.", p.in_progress);
     o += "# HELP kvlink_store_requests_total Requests by type.\n";
     o += "# TYPE kvlink_store_requests_total counter\n";
-    for (std::uint16_t t = 0; t <= 12; ++t) {
+    for (std::uint16_t t = 0; t <= wire::last_type; ++t) {
       fmt::format_to(std::back_inserter(o), "kvlink_store_requests_total{{type=\"{}\"}} {}\n",
                      t == 0 ? "unknown" : wire::to_string(static_cast<wire::message_type>(t)),
                      requests_[t].load(std::memory_order_relaxed));
     }
     o += "# HELP kvlink_store_keys_total Keys in batch requests by type.\n";
     o += "# TYPE kvlink_store_keys_total counter\n";
-    for (std::uint16_t t = 5; t <= 10; ++t) {
+    for (const std::uint16_t t : std::initializer_list<std::uint16_t>{5, 6, 7, 8, 9, 10, 13}) {
       fmt::format_to(std::back_inserter(o), "kvlink_store_keys_total{{type=\"{}\"}} {}\n",
                      wire::to_string(static_cast<wire::message_type>(t)),
                      keys_[t].load(std::memory_order_relaxed));
@@ -780,8 +785,8 @@ class master_service {
   mutable std::mutex segments_mu_;
   std::map<std::uint64_t, location> locations_;  // segment id -> owner; segments_mu_
 
-  std::array<std::atomic<std::uint64_t>, 13> requests_{};  // [0]: unknown types
-  std::array<std::atomic<std::uint64_t>, 13> keys_{};
+  std::array<std::atomic<std::uint64_t>, wire::last_type + 1> requests_{};  // [0]: unknown types
+  std::array<std::atomic<std::uint64_t>, wire::last_type + 1> keys_{};
   std::array<std::atomic<std::uint64_t>, error_codes.size()> errors_{};
   std::atomic<std::uint64_t> malformed_{0}, refused_{0}, failed_handshakes_{0};
   std::atomic<std::uint64_t> eviction_rounds_{0}, evicted_{0}, evicted_bytes_{0};

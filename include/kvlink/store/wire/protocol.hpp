@@ -72,9 +72,12 @@ enum class message_type : std::uint16_t {
   remove = 10,       ///< {u8 force, [key]} -> [code]
   remove_all = 11,   ///< {u8 force} -> {u64 removed}
   stats = 12,        ///< {} -> {u64 capacity, used, objects, in_progress, reserved, segments}
+  replicas = 13,     ///< {[key]} -> [code, u64 size, u32 0, replicas]: get's answer, no lease
 };
 
-inline constexpr bool known_type(std::uint16_t t) noexcept { return t >= 1 && t <= 12; }
+/// The highest message type.
+inline constexpr std::uint16_t last_type = 13;
+inline constexpr bool known_type(std::uint16_t t) noexcept { return t >= 1 && t <= last_type; }
 
 inline const char* to_string(message_type t) noexcept {
   switch (t) {
@@ -102,6 +105,8 @@ inline const char* to_string(message_type t) noexcept {
       return "remove_all";
     case message_type::stats:
       return "stats";
+    case message_type::replicas:
+      return "replicas";
   }
   return "unknown";
 }
