@@ -29,8 +29,8 @@ batch_is_exist, remove, batch_remove, remove_all, batch_get_replica_desc
 and get_replica_desc (ReplicaDescriptor, ReplicaStatus, MemoryDescriptor,
 Descriptor: each replica's owner endpoint, offset in its segment and size,
 no read lease taken), SoftPinAction (ENABLE pins), MooncakeHostMemAllocator.
-Not offered: setup_dummy (it needs a kvlink-store-client process that holds
-the segment for the ranks of a host, which kvlink does not have yet), SSD
+setup_dummy (through a kvlink-store-client process that holds the
+host's segment; the rank moves bytes with its own engine). Not offered: SSD
 offload, tenants other than "default", and ReplicateConfig's
 preferred_segment(s), soft_pin_ttl_ms and group_ids, which are accepted
 (the first two logged) but not used (kvlink places by segment id).
@@ -47,6 +47,7 @@ import logging
 import mmap
 import os
 import re
+import socket
 import threading
 from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple
 
@@ -381,11 +382,44 @@ class BufferHandle(bytearray):
         return len(self)
 
 
+def _ask_holder(address: str, request: Dict[str, Any],
+                timeout: float = 5.0) -> Tuple[Optional[Dict[str, Any]], str]:
+    """One request to a kvlink-store-client (a JSON line each way): its
+    answer (None when it cannot be had) and this side's address of the
+    connection (the interface that reaches the holder)."""
+    m = re.fullmatch(r"\[?([^\]]*?)\]?:(\d+)", str(address))
+    if not m:
+        log.error("%r is not host:port", address)
+        return None, ""
+    try:
+        with socket.create_connection((m.group(1), int(m.group(2))), timeout=timeout) as sock:
+            local_ip = sock.getsockname()[0]
+            sock.sendall((json.dumps(request) + "\n").encode())
+            data = b""
+            while not data.endswith(b"\n") and len(data) < 65536:
+                chunk = sock.recv(4096)
+                if not chunk:
+                    break
+                data += chunk
+    except OSError as e:
+        log.error("kvlink-store-client at %s: %s", address, e)
+        return None, ""
+    try:
+        answer = json.loads(data.decode("utf-8", "replace"))
+    except ValueError:
+        log.error("kvlink-store-client at %s: not a JSON answer: %r", address, data[:200])
+        return None, local_ip
+    if not isinstance(answer, dict):
+        return None, local_ip
+    return answer, local_ip
+
+
 class MooncakeDistributedStore:
     """Mooncake's store client over kvlink (see the module's doc)."""
 
     def __init__(self) -> None:
         self._store: Optional[StoreClient] = None
+        self._holder: Optional[str] = None  # the kvlink-store-client of setup_dummy
         self._lock = threading.Lock()
         # register_buffer's memory: address -> (kvlink segment, size), and
         # the ranges sorted by address (for the multi-buffer batches' checks).
@@ -495,10 +529,48 @@ class MooncakeDistributedStore:
         self._store = store
         return 0
 
+    def setup_dummy(self, mem_pool_size: Any, local_buffer_size: Any, server_address: str) -> int:
+        """Joins the pool through a kvlink-store-client process on this host
+        (Mooncake's dummy client and its mooncake_client): asks it at
+        server_address ("host:port", 50052 by default) for the master, then
+        connects to that master as a client with no segment of its own, so
+        the objects this rank puts live in the holder's segment and outlive
+        the rank. Bytes move with this rank's engine straight between its
+        registered memory and the holder's segment (same-host memory).
+        mem_pool_size and local_buffer_size are checked, not kept (kvlink
+        stages per call). 0 or -1, with the reason logged."""
+        if self._store is not None:
+            log.error("setup_dummy: already set up")
+            return INTERNAL_ERROR
+        try:
+            _size(mem_pool_size)
+            _size(local_buffer_size)
+        except ValueError as e:
+            log.error("setup_dummy: %s", e)
+            return INTERNAL_ERROR
+        hello, local_ip = _ask_holder(server_address, {"op": "hello", "version": 1})
+        if hello is None or not hello.get("ok") or hello.get("version") != 1 or \
+                not isinstance(hello.get("master"), str):
+            log.error("setup_dummy: %s did not answer as a kvlink-store-client: %s",
+                      server_address, hello)
+            return INTERNAL_ERROR
+        try:
+            store = StoreClient(hello["master"], listen=f"{local_ip}:0")
+            store.connect()
+        except (Error, TypeError, ValueError) as e:
+            log.error("setup_dummy: the master %s: %s", hello["master"], e)
+            if "store" in locals():
+                store.close()
+            return INTERNAL_ERROR
+        self._store = store
+        self._holder = server_address
+        return 0
+
     def close(self) -> int:
         if self._store is not None:
             self._store.close()
             self._store = None
+        self._holder = None
         with self._lock:
             self._buffers.clear()
             self._ranges = []
@@ -509,13 +581,20 @@ class MooncakeDistributedStore:
         return self._s().local_address if self._store is not None else ""
 
     def health_check(self) -> int:
-        """0 when the master answers, -1 otherwise."""
+        """0 when the master answers (and, after setup_dummy, the holder
+        process does), -1 otherwise."""
         try:
             self._s().stats()
-            return 0
         except Exception as e:  # noqa: BLE001 - every failure is one answer here
             _code(e, "health_check")
             return INTERNAL_ERROR
+        if self._holder is not None:
+            answer, _ = _ask_holder(self._holder, {"op": "health"})
+            if answer is None or not answer.get("ok"):
+                log.warning("health_check: the kvlink-store-client at %s: %s", self._holder,
+                            answer)
+                return INTERNAL_ERROR
+        return 0
 
     def _s(self) -> StoreClient:
         if self._store is None:
