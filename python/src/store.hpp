@@ -19,6 +19,7 @@
 #pragma once
 
 #include <kvlink/engine.hpp>
+#include <kvlink/memory/device.hpp>
 #include <kvlink/store/client/client.hpp>
 #include <kvlink/store/error.hpp>
 
@@ -160,6 +161,10 @@ class py_store {
     host_ = translate("kvlink store client engine", [&] { return std::make_shared<host>(cfg); });
     (void)host_->with_engine(
         [&](engine& e) { client_ = std::make_unique<store::client>(e, std::move(opt)); });
+    // The engine took the same runtime from the catalog (one per process):
+    // register_buffer refuses device memory with it.
+    std::error_code dec;
+    device_ = device_catalog::global().select(cfg.device, dec, what);
   }
 
   ~py_store() {
@@ -216,6 +221,16 @@ class py_store {
   /// Registers [base, base + size) with the engine (local use only), so
   /// puts from and gets into it need no staging copy.
   std::uint64_t register_buffer(std::uintptr_t base, std::uint64_t size) {
+    // The client copies between host buffers and its own segment, and
+    // staging copies pieces on the CPU: device memory would be read as host
+    // memory. Refused until the store moves device memory.
+    if (device_ && device_->classify(reinterpret_cast<const void*>(base)).memory.kind ==
+                       memory_kind::device) {
+      raise_error_text(errc::invalid_argument, "register",
+                       fmt::format("register {:#x} ({} bytes): device memory: the store's client "
+                                   "takes host memory only so far [invalid_argument]",
+                                   base, size));
+    }
     std::error_code ec;
     std::string what;
     const auto id = h().register_segment(base, size, access::none, memory_desc{}, ec, &what);
@@ -624,6 +639,7 @@ class py_store {
   }
 
   std::shared_ptr<host> host_;
+  std::shared_ptr<device_runtime> device_;  // config.device's runtime; null: none
   std::mutex close_mutex_;
   std::shared_mutex life_;
   std::unique_ptr<store::client> client_;  // null once closed

@@ -150,6 +150,26 @@ def test_host_memory_allocator(store, peer):
         alloc.alloc(0)
 
 
+def test_device_memory_is_refused_not_read_as_host(master, monkeypatch):
+    """The store's client moves host memory only so far: register_buffer of
+    device memory (here the emulated device's, which faults on any CPU
+    access) gives -600 with the reason, and nothing reads it."""
+    import kvlink
+    monkeypatch.setenv("KVLINK_DEVICE", "emulated")
+    dev = kvlink.DeviceBuffer(1 << 20)
+    s = MooncakeDistributedStore()
+    assert s.setup("127.0.0.1", "P2PHANDSHAKE", "4MB", "16MB", "tcp", "", master) == 0
+    try:
+        assert s.register_buffer(dev.ptr, dev.nbytes) == -600
+        assert s.batch_put_from(["dev/0"], [dev.ptr], [4096]) == [-600]  # not registered
+        assert s.is_exist("dev/0") == 0
+        host = np.zeros(1 << 16, np.uint8)
+        assert s.register_buffer(host.ctypes.data, host.nbytes) == 0  # host memory still is
+        assert s.unregister_buffer(host.ctypes.data) == 0
+    finally:
+        assert s.close() == 0
+
+
 def test_setup_failures_give_minus_one(master):
     s = MooncakeDistributedStore()
     assert s.setup("127.0.0.1", "P2PHANDSHAKE", 0, 0, "tcp", "", "127.0.0.1:1") == -1
