@@ -41,6 +41,11 @@ namespace kvlink_test {
 struct fake_settings {
   static inline std::uint64_t chunk = 64u << 10;  // bytes copied per handler
   static inline std::size_t window = 4;           // slices copying at once per path
+  /// Slices complete as they are pumped, all at once, without moving a
+  /// byte or checking anything: the wire removed, so that what is left is
+  /// the engine's own cost per request (bench/engine_bench.cpp). Never for
+  /// tests of the contract.
+  static inline bool instant = false;
 };
 
 class fake_transport;
@@ -125,6 +130,13 @@ class fake_path final : public kvlink::data_path, public std::enable_shared_from
   void enqueue(std::size_t, const kvlink::slice_ref& s) override { queue_.push_back(s); }
 
   void pump() override {
+    if (fake_settings::instant && !failed_) {
+      done_.clear();
+      for (const auto& s : queue_) done_.push_back({s.op, s.length, {}});
+      queue_.clear();
+      if (!done_.empty()) env_.host->slices_done(done_);
+      return;
+    }
     while (!failed_ && !queue_.empty() && active_.size() < fake_settings::window) {
       auto c = std::make_shared<copy>();
       c->s = queue_.front();
@@ -266,6 +278,7 @@ class fake_path final : public kvlink::data_path, public std::enable_shared_from
   std::function<void(std::error_code)> on_failure_;
   std::vector<double> weights_{1.0, 1.0};
   std::deque<kvlink::slice_ref> queue_;
+  std::vector<kvlink::slice_report> done_;  // instant mode's reports
   std::vector<std::shared_ptr<copy>> active_;
   bool failed_ = false;
 };
