@@ -8,7 +8,8 @@
 // offsets (stride 8 KiB, so nothing coalesces: tensor parallelism's case)
 // or contiguous ones (which the planner merges), from 10^3 to 10^5 per
 // call. Reported: ns per request (the goal: <= 100 ns), and the
-// same over TCP on loopback with the wire in it, for scale.
+// same over TCP on loopback with the wire in it, for scale (and 256 MiB in
+// 1 MiB requests, the large-slice case).
 //
 //   <build>/bench/kvlink_engine_bench --benchmark_min_time=0.5
 #include <kvlink/engine.hpp>
@@ -29,11 +30,10 @@
 
 namespace {
 
-constexpr std::uint64_t piece = 4096;
-
 // Two engines on one io_context run by `threads` threads, connected.
 struct pair {
-  explicit pair(const std::string& transport, int threads) {
+  pair(const std::string& transport, int threads, std::size_t max_requests, std::uint64_t piece_)
+      : piece(piece_) {
     kvlink_test::add_fake_transport();
     kvlink_test::fake_settings::instant = transport == "fake";
     const kvlink::config cfg{.listen = "127.0.0.1:0", .transports = transport};
@@ -63,7 +63,7 @@ struct pair {
     return reqs;
   }
 
-  static constexpr std::size_t max_requests = 100'000;
+  std::uint64_t piece;
   asio::io_context io;
   asio::executor_work_guard<asio::io_context::executor_type> work{io.get_executor()};
   std::vector<std::thread> runners;
@@ -72,9 +72,10 @@ struct pair {
   kvlink::peer peer;
 };
 
-void bm_submit(benchmark::State& state, const std::string& transport, bool scattered) {
+void bm_submit(benchmark::State& state, const std::string& transport, bool scattered,
+               std::uint64_t piece = 4096) {
   const auto n = static_cast<std::size_t>(state.range(0));
-  pair p(transport, 2);
+  pair p(transport, 2, n, piece);
   const auto reqs = p.batch(n, scattered);
   for (auto _ : state) {
     const auto r = p.initiator->async_submit_transfer(reqs, asio::use_future).get();
@@ -85,11 +86,13 @@ void bm_submit(benchmark::State& state, const std::string& transport, bool scatt
       benchmark::Counter(static_cast<double>(state.iterations() * static_cast<std::int64_t>(n)),
                          benchmark::Counter::kIsRate | benchmark::Counter::kInvert);
   state.SetItemsProcessed(state.iterations() * static_cast<std::int64_t>(n));
+  state.SetBytesProcessed(state.iterations() * static_cast<std::int64_t>(n * piece));
 }
 
 void bm_fake_scattered(benchmark::State& s) { bm_submit(s, "fake", true); }
 void bm_fake_contiguous(benchmark::State& s) { bm_submit(s, "fake", false); }
 void bm_tcp_scattered(benchmark::State& s) { bm_submit(s, "tcp", true); }
+void bm_tcp_1mib(benchmark::State& s) { bm_submit(s, "tcp", false, 1u << 20); }
 
 }  // namespace
 
@@ -105,5 +108,6 @@ BENCHMARK(bm_fake_contiguous)
     ->Unit(benchmark::kMillisecond)
     ->UseRealTime();
 BENCHMARK(bm_tcp_scattered)->Arg(10'000)->Unit(benchmark::kMillisecond)->UseRealTime();
+BENCHMARK(bm_tcp_1mib)->Arg(256)->Unit(benchmark::kMillisecond)->UseRealTime();
 
 BENCHMARK_MAIN();
