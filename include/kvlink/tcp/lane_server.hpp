@@ -4,15 +4,16 @@
 // Reads a header, checks (segment, offset, length) and the access granted
 // against the registry *before* touching memory, then reads the payload
 // straight into the segment (WRITE) or sends it straight from the segment
-// (READ). After a small frame (small_frame), headers are read through a
-// read-ahead buffer (read_ahead bytes): one receive brings the next header
-// and whatever follows it, so small frames (4 KiB pieces) cost one system
-// call for several of them instead of two each; payload bytes that came
-// with it are copied into place (after the check), the rest of a payload is
-// read straight into it. After a large frame only the next header is read. A rejected WRITE's
-// payload is drained into a scratch buffer and answered with an error status; a frame that cannot
-// be trusted (bad magic or version, unknown type, a length above max_frame_payload) closes the
-// connection. Segments are pinned while a frame touches them, so
+// (READ). After a READ request or a small WRITE (small_frame), headers are
+// read through a read-ahead buffer (read_ahead bytes): one receive brings
+// the next header and whatever follows it, so small frames (4 KiB pieces)
+// cost one system call for several of them instead of two each; payload
+// bytes that came with it are copied into place (after the check), the rest
+// of a payload is read straight into it. After a large WRITE only the next
+// header is read. A rejected WRITE's payload is drained into a scratch
+// buffer and answered with an error status; a frame that cannot be trusted
+// (bad magic or version, unknown type, a length above max_frame_payload)
+// closes the connection. Segments are pinned while a frame touches them, so
 // unregistration waits for it.
 //
 // Device memory (a segment of memory_kind::device) is never touched by the
@@ -231,7 +232,9 @@ class lane_server : public std::enable_shared_from_this<lane_server> {
       close();  // cannot trust the stream any more
       return;
     }
-    small_ = h.length <= small_frame;
+    // Only a large WRITE's payload follows its header; READ requests are
+    // headers alone, however much they ask for.
+    small_ = h.type != frame_type::write_request || h.length <= small_frame;
     const segment_id seg{h.segment};
     memory_desc memory;
     if (h.type == frame_type::write_request) {
