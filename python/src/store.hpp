@@ -224,8 +224,8 @@ class py_store {
     // The client copies between host buffers and its own segment, and
     // staging copies pieces on the CPU: device memory would be read as host
     // memory. Refused until the store moves device memory.
-    if (device_ && device_->classify(reinterpret_cast<const void*>(base)).memory.kind ==
-                       memory_kind::device) {
+    if (device_ &&
+        device_->classify(reinterpret_cast<const void*>(base)).memory.kind == memory_kind::device) {
       raise_error_text(errc::invalid_argument, "register",
                        fmt::format("register {:#x} ({} bytes): device memory: the store's client "
                                    "takes host memory only so far [invalid_argument]",
