@@ -68,6 +68,7 @@
 #include <asio/read_until.hpp>
 #include <asio/signal_set.hpp>
 #include <asio/steady_timer.hpp>
+#include <asio/strand.hpp>
 #include <asio/use_future.hpp>
 #include <asio/write.hpp>
 #include <nlohmann/json.hpp>
@@ -125,17 +126,21 @@ struct service {
   std::atomic<int> active{0};  // answers in flight (shutdown waits for them)
 };
 
-asio::awaitable<void> answer(std::shared_ptr<service> svc, asio::ip::tcp::socket sock) {
+// Runs on the socket's strand; the deadline's handler runs there too and
+// holds the socket, so it never races the answer or outlives the socket.
+asio::awaitable<void> answer(std::shared_ptr<service> svc,
+                             std::shared_ptr<asio::ip::tcp::socket> conn) {
   struct counted {
     service& s;
     explicit counted(service& x) : s(x) { s.active.fetch_add(1); }
     ~counted() { s.active.fetch_sub(1); }
   } count(*svc);
+  auto& sock = *conn;
   asio::steady_timer deadline(sock.get_executor(), std::chrono::seconds(5));
-  deadline.async_wait([&sock](std::error_code ec) {
+  deadline.async_wait([conn](std::error_code ec) {
     if (!ec) {
       std::error_code ignored;
-      sock.close(ignored);
+      conn->close(ignored);
     }
   });
   std::string line;
@@ -173,14 +178,16 @@ asio::awaitable<void> answer(std::shared_ptr<service> svc, asio::ip::tcp::socket
 
 asio::awaitable<void> serve(std::shared_ptr<service> svc, asio::ip::tcp::acceptor& acc) {
   for (;;) {
-    auto [ec, sock] = co_await acc.async_accept(kvlink::control::use_nothrow);
+    auto [ec, sock] = co_await acc.async_accept(asio::make_strand(acc.get_executor()),
+                                                kvlink::control::use_nothrow);
     if (!acc.is_open()) co_return;
     if (ec) {
       asio::steady_timer pause(acc.get_executor(), std::chrono::milliseconds(50));
       co_await pause.async_wait(kvlink::control::use_nothrow);
       continue;
     }
-    asio::co_spawn(acc.get_executor(), answer(svc, std::move(sock)), asio::detached);
+    auto conn = std::make_shared<asio::ip::tcp::socket>(std::move(sock));
+    asio::co_spawn(conn->get_executor(), answer(svc, conn), asio::detached);
   }
 }
 
