@@ -38,13 +38,13 @@
 // segment mounted again, by the store client.
 #include <kvlink/control/handshake.hpp>
 #include <kvlink/control/socket.hpp>
+#include <kvlink/core/settings.hpp>
 #include <kvlink/engine.hpp>
 #include <kvlink/store/client/client.hpp>
 
 #include <algorithm>
 #include <array>
 #include <atomic>
-#include <cctype>
 #include <chrono>
 #include <cstdint>
 #include <cstdio>
@@ -83,25 +83,26 @@ int fail(const std::string& what) {
   return 2;
 }
 
-// Mooncake's size strings: "4 GB", "512MB", "1GiB", "1048576" (units of 1024).
-std::optional<std::uint64_t> parse_size(std::string text) {
-  text.erase(std::remove_if(text.begin(), text.end(), [](unsigned char c) { return c == ' '; }),
-             text.end());
-  std::size_t digits = 0;
-  while (digits < text.size() && std::isdigit(static_cast<unsigned char>(text[digits]))) ++digits;
-  if (digits == 0 || digits > 15) return std::nullopt;
-  const std::uint64_t n = std::stoull(text.substr(0, digits));
-  std::string unit = text.substr(digits);
-  std::transform(unit.begin(), unit.end(), unit.begin(),
-                 [](unsigned char c) { return static_cast<char>(std::tolower(c)); });
-  int shift = -1;
-  if (unit.empty() || unit == "b") shift = 0;
-  if (unit == "k" || unit == "kb" || unit == "kib") shift = 10;
-  if (unit == "m" || unit == "mb" || unit == "mib") shift = 20;
-  if (unit == "g" || unit == "gb" || unit == "gib") shift = 30;
-  if (unit == "t" || unit == "tb" || unit == "tib") shift = 40;
-  if (shift < 0 || (shift > 0 && n > (UINT64_MAX >> shift))) return std::nullopt;
-  return n << shift;
+// Mooncake's size strings: "4 GB", "512MB", "3.125GB", "1048576"; its units
+// are powers of 1024 whichever way they are spelt.
+std::optional<std::uint64_t> parse_size(const std::string& text) {
+  static constexpr std::array<kvlink::detail::unit_scale, 14> units{{
+      {"", 1},
+      {"b", 1},
+      {"k", 1ull << 10},
+      {"kb", 1ull << 10},
+      {"kib", 1ull << 10},
+      {"m", 1ull << 20},
+      {"mb", 1ull << 20},
+      {"mib", 1ull << 20},
+      {"g", 1ull << 30},
+      {"gb", 1ull << 30},
+      {"gib", 1ull << 30},
+      {"t", 1ull << 40},
+      {"tb", 1ull << 40},
+      {"tib", 1ull << 40},
+  }};
+  return kvlink::detail::parse_scaled(text, units, UINT64_MAX);
 }
 
 // Anonymous memory for the segment, unmapped last.

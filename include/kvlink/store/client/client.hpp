@@ -496,10 +496,6 @@ class client_state : public std::enable_shared_from_this<client_state> {
         if (it == seen.end()) {
           replica_location where;
           where.segment = rep.segment;
-          if (auto loc = locations_.find(rep.segment);
-              loc != locations_.end() && loc->second.local != nullptr) {
-            where.local = true;
-          }
           for (const auto& m : mounts_)
             where.local = where.local || m.master_segment == rep.segment;
           if (where.local) {

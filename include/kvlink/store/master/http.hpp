@@ -5,6 +5,9 @@
 // connection handling is master_server's.
 #pragma once
 
+#include <kvlink/core/settings.hpp>
+#include <kvlink/detail/text.hpp>
+
 #include <cstddef>
 #include <cstdint>
 #include <optional>
@@ -32,25 +35,6 @@ struct http_request {
   bool expect_continue = false;  ///< "Expect: 100-continue": answer 100 before reading the body
   std::string_view body;         ///< set once the body is read
 };
-
-namespace detail {
-
-inline bool iequals(std::string_view a, std::string_view b) noexcept {
-  if (a.size() != b.size()) return false;
-  for (std::size_t i = 0; i < a.size(); ++i) {
-    const auto lower = [](char c) { return c >= 'A' && c <= 'Z' ? static_cast<char>(c + 32) : c; };
-    if (lower(a[i]) != lower(b[i])) return false;
-  }
-  return true;
-}
-
-inline std::string_view trim_http(std::string_view v) noexcept {
-  while (!v.empty() && (v.front() == ' ' || v.front() == '\t')) v.remove_prefix(1);
-  while (!v.empty() && (v.back() == ' ' || v.back() == '\t')) v.remove_suffix(1);
-  return v;
-}
-
-}  // namespace detail
 
 /// Parses a request head (the request line and headers, up to and including
 /// the empty line). nullopt for anything that is not an HTTP/1.x request: a
@@ -80,8 +64,8 @@ inline std::optional<http_request> parse_http_head(std::string_view head) {
     const std::size_t colon = h.find(':');
     if (colon == std::string_view::npos || colon == 0) return std::nullopt;
     const std::string_view name = h.substr(0, colon);
-    const std::string_view value = detail::trim_http(h.substr(colon + 1));
-    if (detail::iequals(name, "Content-Length")) {
+    const std::string_view value = kvlink::detail::trim(h.substr(colon + 1));
+    if (kvlink::detail::iequals(name, "Content-Length")) {
       if (value.empty() || value.size() > 18) return std::nullopt;
       std::uint64_t n = 0;
       for (const char c : value) {
@@ -91,12 +75,12 @@ inline std::optional<http_request> parse_http_head(std::string_view head) {
       if (have_length && n != r.content_length) return std::nullopt;
       have_length = true;
       r.content_length = n;
-    } else if (detail::iequals(name, "Transfer-Encoding")) {
-      if (!detail::iequals(value, "identity")) r.chunked = true;
-    } else if (detail::iequals(name, "Authorization")) {
+    } else if (kvlink::detail::iequals(name, "Transfer-Encoding")) {
+      if (!kvlink::detail::iequals(value, "identity")) r.chunked = true;
+    } else if (kvlink::detail::iequals(name, "Authorization")) {
       r.authorization = value;
-    } else if (detail::iequals(name, "Expect")) {
-      r.expect_continue = detail::iequals(value, "100-continue");
+    } else if (kvlink::detail::iequals(name, "Expect")) {
+      r.expect_continue = kvlink::detail::iequals(value, "100-continue");
     }
   }
   return r;
