@@ -17,13 +17,19 @@ This example starts a kvlink-master, the program named by KVLINK_MASTER
 so and exits 0 ("skipped"):
 
     KVLINK_MASTER=build/py/tools/kvlink-master PYTHONPATH=build/py/python/site \\
-        /usr/bin/python3 examples/python/vllm_store_pattern.py
+        /usr/bin/python3 examples/python/vllm_store_pattern.py [--memory host|emulated|cuda]
+
+`--memory cuda` keeps both KV caches on GPU 0 (torch CUDA tensors), as vLLM
+does, and registers them by address; `--memory emulated` uses kvlink's
+emulated device (kvlink.DeviceBuffer: memory the CPU cannot touch, no GPU
+needed); host (numpy) by default. The pool itself is host memory.
 
 `from mooncake.store import MooncakeDistributedStore` is what vLLM writes:
 with kvlink's alias installed (README, "Python") it is kvlink; here it falls
 back to kvlink.mooncake_store, the same class.
 """
 
+import argparse
 import multiprocessing as mp
 import os
 import re
@@ -50,18 +56,57 @@ def block_keys(model: str, n: int) -> list:
 
 
 class PagedKv:
-    """One registered array [layer][k|v][block][PIECE] and the addresses of
-    one block's pieces, in the order the object holds them."""
+    """One registered cache [layer][k|v][block][PIECE] (host, emulated device
+    or CUDA memory) and the addresses of one block's pieces, in the order the
+    object holds them."""
 
-    def __init__(self, store: MooncakeDistributedStore) -> None:
-        self.a = np.zeros((LAYERS, 2, BLOCKS, PIECE), np.uint8)
-        if store.register_buffer(self.a.ctypes.data, self.a.nbytes) != 0:
+    def __init__(self, store: MooncakeDistributedStore, memory: str) -> None:
+        self.memory = memory
+        shape = (LAYERS, 2, BLOCKS, PIECE)
+        nbytes = LAYERS * 2 * BLOCKS * PIECE
+        if memory == "host":
+            self.a = np.zeros(shape, np.uint8)
+            self.base = self.a.ctypes.data
+        elif memory == "cuda":
+            import torch
+            self.t = torch.zeros(shape, dtype=torch.uint8, device="cuda:0")
+            self.base = self.t.data_ptr()
+        else:
+            import kvlink
+            self.dev = kvlink.DeviceBuffer(nbytes, runtime=memory)
+            self.base = self.dev.ptr
+        if store.register_buffer(self.base, nbytes) != 0:
             raise SystemExit("register_buffer failed")
 
+    def offset(self, layer: int, kv: int, block: int) -> int:
+        return ((layer * 2 + kv) * BLOCKS + block) * PIECE
+
     def ptrs(self, block: int) -> list:
-        base = self.a.ctypes.data
-        return [base + ((layer * 2 + kv) * BLOCKS + block) * PIECE
+        return [self.base + self.offset(layer, kv, block)
                 for layer in range(LAYERS) for kv in range(2)]
+
+    def write_block(self, block: int, data: np.ndarray) -> None:
+        if self.memory == "host":
+            self.a[:, :, block, :] = data
+        elif self.memory == "cuda":
+            import torch
+            self.t[:, :, block, :] = torch.from_numpy(data).cuda()
+            torch.cuda.synchronize()
+        else:
+            for layer in range(LAYERS):
+                for kv in range(2):
+                    self.dev.write(self.offset(layer, kv, block), data[layer, kv].tobytes())
+
+    def read_block(self, block: int) -> np.ndarray:
+        if self.memory == "host":
+            return self.a[:, :, block, :]
+        if self.memory == "cuda":
+            import torch
+            torch.cuda.synchronize()
+            return self.t[:, :, block, :].cpu().numpy()
+        return np.stack([np.stack([np.frombuffer(self.dev.read(self.offset(layer, kv, block),
+                                                               PIECE), np.uint8)
+                                   for kv in range(2)]) for layer in range(LAYERS)])
 
 
 def computed(block: int) -> np.ndarray:
@@ -69,14 +114,14 @@ def computed(block: int) -> np.ndarray:
     return np.random.default_rng(block).integers(0, 256, (LAYERS, 2, PIECE), dtype=np.uint8)
 
 
-def prefill(master: str, conn) -> None:
+def prefill(master: str, memory: str, conn) -> None:
     store = MooncakeDistributedStore()
     if store.setup("127.0.0.1", "P2PHANDSHAKE", 64 << 20, 16 << 20, "tcp", "", master) != 0:
         conn.send("setup failed")
         return
-    kv = PagedKv(store)
+    kv = PagedKv(store, memory)
     for b in range(PROMPT_BLOCKS):
-        kv.a[:, :, b, :] = computed(b)
+        kv.write_block(b, computed(b))
     keys = block_keys("demo-model", PROMPT_BLOCKS)
     # vLLM puts only what the pool lacks (another instance may have stored it).
     missing = [i for i, there in enumerate(store.batch_is_exist(keys)) if there != 1]
@@ -103,13 +148,19 @@ def start_master(path: str):
 
 
 def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--memory", choices=["host", "emulated", "cuda"], default="host",
+                    help="where both KV caches live")
+    memory = ap.parse_args().memory
+    if memory == "emulated":
+        os.environ["KVLINK_DEVICE"] = "emulated"  # the stores' engines (and prefill's)
     path = os.environ.get("KVLINK_MASTER")
     if not path:
         print("vllm_store_pattern: skipped: set KVLINK_MASTER to the kvlink-master program")
         return 0
     master_proc, master = start_master(path)
     ours, theirs = mp.Pipe()
-    worker = mp.get_context("spawn").Process(target=prefill, args=(master, theirs))
+    worker = mp.get_context("spawn").Process(target=prefill, args=(master, memory, theirs))
     worker.start()
     try:
         if not ours.poll(WAIT):
@@ -122,7 +173,7 @@ def main() -> int:
         store = MooncakeDistributedStore()
         if store.setup("127.0.0.1", "P2PHANDSHAKE", 0, 16 << 20, "tcp", "", master) != 0:
             raise SystemExit("decode: setup failed")
-        kv = PagedKv(store)
+        kv = PagedKv(store, memory)
         # The scheduler's lookup: the prompt's blocks and then some it never had.
         keys = block_keys("demo-model", PROMPT_BLOCKS + 8)
         there = store.batch_is_exist(keys)
@@ -134,11 +185,12 @@ def main() -> int:
                                                  [[PIECE] * (LAYERS * 2)] * hit)
         if got != [LAYERS * 2 * PIECE] * hit:
             raise SystemExit(f"decode: batch_get_into_multi_buffers gave {got}")
-        bad = [b for b, d in enumerate(dst) if not np.array_equal(kv.a[:, :, d, :], computed(b))]
+        bad = [b for b, d in enumerate(dst) if not np.array_equal(kv.read_block(d), computed(b))]
         store.close()
         if bad or hit != PROMPT_BLOCKS:
             raise SystemExit(f"decode: blocks {bad} differ (hit {hit})")
-        print(f"decode: {hit} blocks loaded into other block ids, every byte as prefill wrote it")
+        print(f"decode: {hit} blocks loaded into other block ids ({memory} memory), every byte "
+              "as prefill wrote it")
         return 0
     finally:
         ours.send("done")

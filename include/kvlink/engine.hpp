@@ -187,6 +187,13 @@ class engine {
   /// ("tcp (rdma: no usable RDMA device)").
   std::string transports() const { return core_->offer(); }
 
+  /// The device runtime config.device named (null: none): what a layer
+  /// above uses to tell device memory from host memory (classify) and to
+  /// copy between them on this host (open_stream), as the engine does.
+  const std::shared_ptr<kvlink::device_runtime>& device_runtime() const noexcept {
+    return core_->device();
+  }
+
   /// Registers [base, base + length) so that peers may access it as `granted`
   /// allows, and so that it can be the local side of transfers. `memory`
   /// says where the bytes live (host memory). Connected peers learn of it

@@ -639,15 +639,25 @@ class StoreClient:
             self._mounts.append(view)
         return seg
 
-    def register(self, buffer: Any) -> int:
-        """Registers a writable contiguous buffer (numpy array, bytearray,
-        mmap) with this client's engine, so that puts from and gets into it
-        (or addresses inside it) need no staging copy. Returns its id."""
-        view = memoryview(buffer)
-        addr, length = _kvlink.buffer_address(buffer, True)
-        seg = self._core.register(addr, length)
-        with self._lock:
-            self._pins[seg] = view
+    def register(self, memory: Any, length: Optional[int] = None) -> int:
+        """Registers memory with this client's engine, so that puts from and
+        gets into it (or addresses inside it) need no staging copy: a
+        writable contiguous buffer (numpy array, bytearray, mmap), a torch
+        tensor (CPU, or CUDA with the engine's `device` runtime set), device
+        memory (__cuda_array_interface__), or an address with `length`; kept
+        referenced until unregistered. Returns its id."""
+        if isinstance(memory, int):
+            if length is None:
+                raise TypeError("register(address, length): the length is missing")
+            addr, size, pin = memory, int(length), None
+        else:
+            addr, size, pin, _ = _memory_of(memory)
+            if length is not None:
+                size = min(size, int(length))
+        seg = self._core.register(addr, size)
+        if pin is not None:
+            with self._lock:
+                self._pins[seg] = pin
         return seg
 
     def unregister(self, segment: int) -> None:
@@ -675,6 +685,19 @@ class StoreClient:
                                     _kvlink.PutConfig(replicas, list(preferred), soft_pin,
                                                       hard_pin))
 
+    def put_pieces(self, keys: List[str], addresses: Any, sizes: Any, counts: Any, *,
+                   replicas: int = 1, preferred: Any = (), soft_pin: bool = False,
+                   hard_pin: bool = False) -> List[int]:
+        """Puts objects gathered from pieces: keys[i]'s object is the next
+        counts[i] (address, size) pairs of the flat lists `addresses` and
+        `sizes` (registered memory, host or device), in order: vLLM's K and
+        V of every layer of one block as one object, with no gathering copy.
+        One int per key: 0 or Mooncake's negative code (-600 for a key whose
+        pieces hold no bytes)."""
+        return self._core.put_pieces(keys, addresses, sizes, counts,
+                                     _kvlink.PutConfig(replicas, list(preferred), soft_pin,
+                                                       hard_pin))
+
     # -- gets
     def get(self, key: str) -> bytes:
         """The object's bytes. Raises kvlink.Error (object_not_found, ...)."""
@@ -693,6 +716,14 @@ class StoreClient:
         addresses[i]). One int per key: the bytes read, or Mooncake's
         negative code."""
         return self._core.get_batch(keys, buffers, addresses, capacities)
+
+    def get_pieces(self, keys: List[str], addresses: Any, sizes: Any, counts: Any) -> List[int]:
+        """Reads objects scattered over pieces (see put_pieces): keys[i]'s
+        bytes fill its counts[i] pieces in order, the last one as far as the
+        object goes. One int per key: the bytes read, or Mooncake's negative
+        code (-10 when the pieces hold fewer bytes than the object: nothing
+        is written)."""
+        return self._core.get_pieces(keys, addresses, sizes, counts)
 
     # -- exists and remove
     def exists(self, key: str) -> bool:

@@ -21,14 +21,19 @@ MOONCAKE_CONFIG_PATH or SGLANG_HICACHE_MOONCAKE_CONFIG_PATH file, or
 MOONCAKE_* variables), close, get_hostname,
 health_check, put, get, get_size, put_batch, get_batch, put_parts,
 put_from, get_into, batch_put_from, batch_get_into,
-batch_put_from_multi_buffers, batch_get_into_multi_buffers (through a
-registered staging buffer: kvlink's client moves one contiguous range per
-object), get_buffer and batch_get_buffer (BufferHandle: the bytes copied
+batch_put_from_multi_buffers, batch_get_into_multi_buffers (each piece
+moved straight to or from its place in the object), get_buffer and
+batch_get_buffer (BufferHandle: the bytes copied
 into memory of the call), register_buffer, unregister_buffer, is_exist,
 batch_is_exist, remove, batch_remove, remove_all, batch_get_replica_desc
 and get_replica_desc (ReplicaDescriptor, ReplicaStatus, MemoryDescriptor,
 Descriptor: each replica's owner endpoint, offset in its segment and size,
 no read lease taken), SoftPinAction (ENABLE pins), MooncakeHostMemAllocator.
+Buffers given to register_buffer may be device memory (a CUDA KV cache, as
+vLLM registers it) when the engine has a device runtime (by default CUDA
+where the module has it and a GPU is present; KVLINK_DEVICE names one):
+put_from, get_into, their batches and the multi-buffer calls move it like
+host memory.
 setup_dummy (through a kvlink-store-client process that holds the
 host's segment; the rank moves bytes with its own engine). Not offered: SSD
 offload, tenants other than "default", and ReplicateConfig's
@@ -325,48 +330,6 @@ _DICT_KEYS = {
     "client_http_port": "client_http_port",
 }
 
-_STAGING_CHUNK = 64 << 20  # bytes gathered per round of a multi-buffer batch
-
-
-class _Staging:
-    """Registered bytearrays that multi-buffer batches gather into and
-    scatter from: taken by one call at a time, kept for the next (at most
-    _KEEP of them), unregistered when dropped or at close. Thread-safe."""
-
-    _KEEP = 4
-
-    def __init__(self) -> None:
-        self._lock = threading.Lock()
-        self._free: List[Tuple[bytearray, int, int]] = []  # (memory, address, segment)
-
-    def take(self, store: StoreClient, size: int) -> Tuple[bytearray, int, int]:
-        with self._lock:
-            fits = [s for s in self._free if len(s[0]) >= size]
-            if fits:
-                best = min(fits, key=lambda s: len(s[0]))
-                self._free.remove(best)
-                return best
-        memory = bytearray(max(size, 1 << 20))
-        address = ctypes.addressof((ctypes.c_char * len(memory)).from_buffer(memory))
-        return memory, address, store.register(memory)
-
-    def give(self, store: StoreClient, staging: Tuple[bytearray, int, int]) -> None:
-        with self._lock:
-            self._free.append(staging)
-            if len(self._free) <= self._KEEP:
-                return
-            drop = min(self._free, key=lambda s: len(s[0]))
-            self._free.remove(drop)
-        try:
-            store.unregister(drop[2])
-        except Error as e:
-            log.warning("staging: unregister: %s", e)
-
-    def clear(self) -> None:
-        with self._lock:
-            self._free.clear()
-
-
 class BufferHandle(bytearray):
     """An object's bytes as get_buffer/batch_get_buffer give them
     (Mooncake's BufferHandle): the buffer protocol (a bytearray: numpy,
@@ -425,7 +388,6 @@ class MooncakeDistributedStore:
         # the ranges sorted by address (for the multi-buffer batches' checks).
         self._buffers: Dict[int, Tuple[int, int]] = {}
         self._ranges: List[Tuple[int, int]] = []
-        self._staging = _Staging()
         self._guess = 1 << 20  # batch_get_buffer's first capacity per key
 
     # -- life
@@ -574,7 +536,6 @@ class MooncakeDistributedStore:
         with self._lock:
             self._buffers.clear()
             self._ranges = []
-        self._staging.clear()  # close() unregistered their memory
         return 0
 
     def get_hostname(self) -> str:
@@ -819,41 +780,21 @@ class MooncakeDistributedStore:
                 todo.append((i, pieces))
         return results, todo
 
-    @staticmethod
-    def _rounds(todo: List[Tuple[int, List[Tuple[int, int]]]]) -> Any:
-        """The keys in rounds of at most _STAGING_CHUNK bytes (a bigger key alone)."""
-        batch: List[Tuple[int, List[Tuple[int, int]]]] = []
-        total = 0
-        for item in todo:
-            n = sum(length for _, length in item[1])
-            if batch and total + n > _STAGING_CHUNK:
-                yield batch, total
-                batch, total = [], 0
-            batch.append(item)
-            total += n
-        if batch:
-            yield batch, total
-
-    def _staged_rounds(self, store: Any, todo: List[Tuple[int, List[Tuple[int, int]]]],
-                       what: str, results: List[int]) -> Any:
-        """_rounds, each with a registered staging buffer of its size, given
-        back after the round: yields (batch, the staging's address). A round
-        whose staging cannot be had gets that error's code for each of its
-        keys and is skipped."""
-        for batch, total in self._rounds(todo):
-            try:
-                staging = self._staging.take(store, total)
-            except Exception as e:  # noqa: BLE001
-                code = _code(e, f"{what}: staging")
-                for i, _ in batch:
-                    results[i] = code
-                continue
-            try:
-                yield batch, staging[1]
-            finally:
-                self._staging.give(store, staging)
-
     # -- multi-buffer batches (vLLM's MooncakeStoreConnector)
+    @staticmethod
+    def _flat(todo: List[Tuple[int, List[Tuple[int, int]]]]) -> Tuple[List[int], List[int],
+                                                                       List[int]]:
+        """The flat (addresses, sizes, counts) columns of put_pieces/get_pieces."""
+        addresses: List[int] = []
+        sizes: List[int] = []
+        counts: List[int] = []
+        for _, pieces in todo:
+            counts.append(len(pieces))
+            for addr, n in pieces:
+                addresses.append(addr)
+                sizes.append(n)
+        return addresses, sizes, counts
+
     def batch_put_from_multi_buffers(self, keys: List[str], all_buffer_ptrs: List[List[int]],
                                      all_sizes: List[List[int]],
                                      config: Optional[ReplicateConfig] = None) -> List[int]:
@@ -866,10 +807,8 @@ class MooncakeDistributedStore:
         -200 (no space), ... A whole batch of -600 when the three lists
         differ in length.
 
-        kvlink's client puts one contiguous range per object, so the pieces
-        are gathered (one memcpy each, host memory) into a registered
-        staging buffer, at most 64 MiB of keys per round, and put from there
-        zero-copy; the staging buffers are kept for the next call."""
+        Each piece is written straight into its place in the object's
+        replicas (host or device memory, no gathering copy)."""
         try:
             store = self._s()
             results, todo = self._plan("batch_put_from_multi_buffers", keys,
@@ -882,24 +821,16 @@ class MooncakeDistributedStore:
                 log.warning("batch_put_from_multi_buffers: '%s': no bytes", keys[i])
                 results[i] = INVALID_PARAMS
         todo = [t for t in todo if results[t[0]] == 0]
-        for batch, base in self._staged_rounds(store, todo, "batch_put_from_multi_buffers",
-                                               results):
-            offset = 0
-            addresses, sizes = [], []
-            for _, pieces in batch:
-                start = offset
-                for addr, n in pieces:
-                    ctypes.memmove(base + offset, addr, n)
-                    offset += n
-                addresses.append(base + start)
-                sizes.append(offset - start)
-            try:
-                codes = store.put_batch([keys[i] for i, _ in batch], addresses=addresses,
-                                        sizes=sizes, **placement)
-            except Exception as e:  # noqa: BLE001
-                codes = [_code(e, "batch_put_from_multi_buffers")] * len(batch)
-            for (i, _), c in zip(batch, codes):
-                results[i] = self._put_code(c)
+        if not todo:
+            return results
+        addresses, sizes, counts = self._flat(todo)
+        try:
+            codes = store.put_pieces([keys[i] for i, _ in todo], addresses, sizes, counts,
+                                     **placement)
+        except Exception as e:  # noqa: BLE001
+            codes = [_code(e, "batch_put_from_multi_buffers")] * len(todo)
+        for (i, _), c in zip(todo, codes):
+            results[i] = self._put_code(c)
         return results
 
     def batch_get_into_multi_buffers(self, keys: List[str], all_buffer_ptrs: List[List[int]],
@@ -914,43 +845,25 @@ class MooncakeDistributedStore:
         object: nothing is written for that key), -704 (not found), ...
         A whole batch of -600 when the three lists differ in length.
 
-        Read through a registered staging buffer (see
-        batch_put_from_multi_buffers), then one memcpy per piece.
-        prefer_alloc_in_same_node is accepted and has no effect: kvlink's
-        client reads the replica the master lists first."""
+        Each piece is read straight from the replica (host or device
+        memory, no staging copy). prefer_alloc_in_same_node is accepted and
+        has no effect: kvlink's client reads its own segment's replica
+        first, then one on this host, then the first."""
         try:
             store = self._s()
             results, todo = self._plan("batch_get_into_multi_buffers", keys,
                                        all_buffer_ptrs, all_sizes)
         except Exception as e:  # noqa: BLE001
             return [_code(e, "batch_get_into_multi_buffers")] * len(keys)
-        for batch, base in self._staged_rounds(store, todo, "batch_get_into_multi_buffers",
-                                               results):
-            addresses, capacities = [], []
-            offset = 0
-            for _, pieces in batch:
-                n = sum(length for _, length in pieces)
-                addresses.append(base + offset)
-                capacities.append(n)
-                offset += n
-            try:
-                got = store.get_batch([keys[i] for i, _ in batch], addresses=addresses,
-                                      capacities=capacities)
-            except Exception as e:  # noqa: BLE001
-                got = [_code(e, "batch_get_into_multi_buffers")] * len(batch)
-            for (i, pieces), src, n in zip(batch, addresses, got):
-                if n < 0:
-                    results[i] = INVALID_PARAMS if n == -10 else n
-                    continue
-                left = n
-                for addr, length in pieces:
-                    if left <= 0:
-                        break
-                    step = min(length, left)
-                    ctypes.memmove(addr, src, step)
-                    src += step
-                    left -= step
-                results[i] = n
+        if not todo:
+            return results
+        addresses, sizes, counts = self._flat(todo)
+        try:
+            got = store.get_pieces([keys[i] for i, _ in todo], addresses, sizes, counts)
+        except Exception as e:  # noqa: BLE001
+            got = [_code(e, "batch_get_into_multi_buffers")] * len(todo)
+        for (i, _), n in zip(todo, got):
+            results[i] = INVALID_PARAMS if n == -10 else n
         return results
 
     # -- exists and remove

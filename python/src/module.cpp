@@ -642,6 +642,16 @@ PYBIND11_MODULE(_kvlink, m) {
     for (const auto& ec : results) out.push_back(kvlink::mooncake_code(ec));
     return out;
   };
+  // A get batch's outcome per key: the bytes read, or Mooncake's code.
+  auto sizes_or_codes = [](const kp::py_store::get_outcome& o) {
+    std::vector<std::int64_t> out;
+    out.reserve(o.results.size());
+    for (std::size_t i = 0; i < o.results.size(); ++i) {
+      out.push_back(o.results[i] ? kvlink::mooncake_code(o.results[i])
+                                 : static_cast<std::int64_t>(o.sizes[i]));
+    }
+    return out;
+  };
   py::class_<kp::py_store>(m, "StoreClient")
       .def(py::init<const std::string&, const std::string&, const std::string&, double, double>(),
            py::arg("config_json"), py::arg("master"), py::arg("auth_secret"),
@@ -683,18 +693,26 @@ PYBIND11_MODULE(_kvlink, m) {
           py::arg("key"), py::arg("value"), py::arg("address"), py::arg("size"), py::arg("config"))
       .def(
           "get_batch",
-          [](kp::py_store& s, py::handle keys, py::handle buffers, py::handle addresses,
-             py::handle capacities) {
-            const auto o = s.get(keys, buffers, addresses, capacities, "get_batch");
-            std::vector<std::int64_t> out;
-            out.reserve(o.results.size());
-            for (std::size_t i = 0; i < o.results.size(); ++i) {
-              out.push_back(o.results[i] ? kvlink::mooncake_code(o.results[i])
-                                         : static_cast<std::int64_t>(o.sizes[i]));
-            }
-            return out;
+          [sizes_or_codes](kp::py_store& s, py::handle keys, py::handle buffers,
+                           py::handle addresses, py::handle capacities) {
+            return sizes_or_codes(s.get(keys, buffers, addresses, capacities, "get_batch"));
           },
           py::arg("keys"), py::arg("buffers"), py::arg("addresses"), py::arg("capacities"))
+      .def(
+          "put_pieces",
+          [codes](kp::py_store& s, py::handle keys, py::handle addresses, py::handle sizes,
+                  py::handle counts, const kp::py_put_config& cfg) {
+            return codes(s.put_pieces(keys, addresses, sizes, counts, cfg, "put_pieces"));
+          },
+          py::arg("keys"), py::arg("addresses"), py::arg("sizes"), py::arg("counts"),
+          py::arg("config"))
+      .def(
+          "get_pieces",
+          [sizes_or_codes](kp::py_store& s, py::handle keys, py::handle addresses, py::handle sizes,
+                           py::handle counts) {
+            return sizes_or_codes(s.get_pieces(keys, addresses, sizes, counts, "get_pieces"));
+          },
+          py::arg("keys"), py::arg("addresses"), py::arg("sizes"), py::arg("counts"))
       .def(
           "get_into",
           [](kp::py_store& s, const std::string& key, py::handle buffer, py::handle address,

@@ -161,10 +161,6 @@ class py_store {
     host_ = translate("kvlink store client engine", [&] { return std::make_shared<host>(cfg); });
     (void)host_->with_engine(
         [&](engine& e) { client_ = std::make_unique<store::client>(e, std::move(opt)); });
-    // The engine took the same runtime from the catalog (one per process):
-    // register_buffer refuses device memory with it.
-    std::error_code dec;
-    device_ = device_catalog::global().select(cfg.device, dec, what);
   }
 
   ~py_store() {
@@ -219,18 +215,9 @@ class py_store {
   }
 
   /// Registers [base, base + size) with the engine (local use only), so
-  /// puts from and gets into it need no staging copy.
+  /// puts from and gets into it need no staging copy: host memory, or
+  /// device memory of the engine's runtime (what it is, the runtime says).
   std::uint64_t register_buffer(std::uintptr_t base, std::uint64_t size) {
-    // The client copies between host buffers and its own segment, and
-    // staging copies pieces on the CPU: device memory would be read as host
-    // memory. Refused until the store moves device memory.
-    if (device_ &&
-        device_->classify(reinterpret_cast<const void*>(base)).memory.kind == memory_kind::device) {
-      raise_error_text(errc::invalid_argument, "register",
-                       fmt::format("register {:#x} ({} bytes): device memory: the store's client "
-                                   "takes host memory only so far [invalid_argument]",
-                                   base, size));
-    }
     std::error_code ec;
     std::string what;
     const auto id = h().register_segment(base, size, access::none, memory_desc{}, ec, &what);
@@ -378,6 +365,87 @@ class py_store {
         if (!out.results[i]) std::memcpy(data[i], targets[i], out.sizes[i]);
       }
     }
+    return out;
+  }
+
+  // ----------------------------------------------------------- pieces
+
+  /// Objects of several pieces each: key i's are the next counts[i]
+  /// entries of the flat columns `addresses` / `sizes` (registered memory,
+  /// host or device), in order. A put gathers them, a get scatters the
+  /// object over them; no staging copy either way.
+  struct pieces_in {
+    std::vector<store::buffer_piece> pieces;
+    std::vector<std::uint32_t> counts;
+  };
+
+  pieces_in read_pieces(py::handle addresses, py::handle sizes, py::handle counts, std::size_t n,
+                        std::string_view what) {
+    const auto a = u64_column::from(addresses, "addresses");
+    const auto s = u64_column::from(sizes, "sizes");
+    const auto c = u64_column::from(counts, "counts");
+    if (a.scalar() || s.scalar() || c.scalar()) {
+      throw py::type_error(fmt::format("{}: addresses, sizes and counts are lists", what));
+    }
+    check_count(static_cast<Py_ssize_t>(c.size()), n, "counts", what);
+    if (s.size() != a.size()) {
+      raise_error_text(
+          make_error_code(errc::invalid_argument), what,
+          fmt::format("{}: {} addresses, {} sizes [invalid_argument]", what, a.size(), s.size()));
+    }
+    pieces_in out;
+    std::uint64_t total = 0;
+    for (std::size_t i = 0; i < n; ++i) {
+      if (c[i] > a.size())
+        total = a.size() + 1;  // too many: refused below
+      else
+        total += c[i];
+      out.counts.push_back(static_cast<std::uint32_t>(std::min<std::uint64_t>(c[i], UINT32_MAX)));
+    }
+    if (total != a.size()) {
+      raise_error_text(make_error_code(errc::invalid_argument), what,
+                       fmt::format("{}: the counts add up to {}, not to the {} pieces given "
+                                   "[invalid_argument]",
+                                   what, total, a.size()));
+    }
+    out.pieces.reserve(a.size());
+    for (std::size_t i = 0; i < a.size(); ++i) {
+      if (s[i] != 0 && !registered(reinterpret_cast<const void*>(a[i]), s[i])) {
+        raise_error_text(make_error_code(errc::not_registered), what,
+                         fmt::format("{}: piece {} ({:#x}, {} bytes) is not inside memory "
+                                     "registered with this client (StoreClient.register) "
+                                     "[not_registered]",
+                                     what, i, a[i], s[i]));
+      }
+      out.pieces.push_back({reinterpret_cast<void*>(a[i]), s[i]});
+    }
+    return out;
+  }
+
+  std::vector<std::error_code> put_pieces(py::handle keys, py::handle addresses, py::handle sizes,
+                                          py::handle counts, const py_put_config& pc,
+                                          std::string_view what) {
+    auto k = read_keys(keys, what);
+    const auto in = read_pieces(addresses, sizes, counts, k.keys.size(), what);
+    std::vector<std::error_code> results(k.keys.size());
+    const auto cfg = pc.get();
+    run(std::string(what), [&](store::client& c, auto done) {
+      c.async_put_gather_batch(k.views, in.pieces, in.counts, results, cfg, {},
+                               [done](std::error_code ec) { done(ec); });
+    });
+    return results;
+  }
+
+  get_outcome get_pieces(py::handle keys, py::handle addresses, py::handle sizes, py::handle counts,
+                         std::string_view what) {
+    auto k = read_keys(keys, what);
+    const auto in = read_pieces(addresses, sizes, counts, k.keys.size(), what);
+    const std::size_t n = k.keys.size();
+    get_outcome out{std::vector<std::uint64_t>(n), std::vector<std::error_code>(n)};
+    run(std::string(what), [&](store::client& c, auto done) {
+      c.async_get_scatter_batch(k.views, in.pieces, in.counts, out.sizes, out.results,
+                                [done](std::error_code ec) { done(ec); });
+    });
     return out;
   }
 
@@ -639,7 +707,6 @@ class py_store {
   }
 
   std::shared_ptr<host> host_;
-  std::shared_ptr<device_runtime> device_;  // config.device's runtime; null: none
   std::mutex close_mutex_;
   std::shared_mutex life_;
   std::unique_ptr<store::client> client_;  // null once closed

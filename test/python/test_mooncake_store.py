@@ -150,22 +150,92 @@ def test_host_memory_allocator(store, peer):
         alloc.alloc(0)
 
 
-def test_device_memory_is_refused_not_read_as_host(master, monkeypatch):
-    """The store's client moves host memory only so far: register_buffer of
-    device memory (here the emulated device's, which faults on any CPU
-    access) gives -600 with the reason, and nothing reads it."""
+def _device_memory_moves(s, peer, ptr: int, nbytes: int, write, read, tag: str) -> None:
+    """put_from / get_into / their batches / the multi-buffer calls with
+    device memory registered as vLLM registers its KV cache (an address),
+    bytes read back through the device and from the peer process."""
+    assert s.register_buffer(ptr, nbytes) == 0
+    host = np.zeros(1 << 16, np.uint8)
+    assert s.register_buffer(host.ctypes.data, host.nbytes) == 0
+    data = blob(3 * 4096, 40)
+    write(0, data)
+    keys = [f"{tag}/{i}" for i in range(3)]
+    # Three objects from device memory: into this client's own segment or
+    # the peer's (wherever the master places them), read by the peer.
+    assert s.batch_put_from(keys, [ptr + i * 4096 for i in range(3)], [4096] * 3) == [0] * 3
+    for i, k in enumerate(keys):
+        assert peer.call("get", key=k) == {"hex": data[i * 4096:(i + 1) * 4096].hex()}
+    # Back into device memory, reversed, and one into host memory.
+    out = 1 << 18
+    got = s.batch_get_into(keys[::-1], [ptr + out + i * 4096 for i in range(3)], [4096] * 3)
+    assert got == [4096] * 3
+    assert read(out, 3 * 4096) == data[2 * 4096:] + data[4096:2 * 4096] + data[:4096]
+    assert s.get_into(keys[1], host.ctypes.data, 4096) == 4096
+    assert host[:4096].tobytes() == data[4096:2 * 4096]
+    # An object the peer put, into device memory.
+    theirs = blob(5000, 41)
+    assert peer.call("put", key=f"{tag}/theirs", hex=theirs.hex()) == {"rc": 0}
+    assert s.get_into(f"{tag}/theirs", ptr + (1 << 19), 8192) == 5000
+    assert read(1 << 19, 5000) == theirs
+    # One object gathered from device, host and device pieces (vLLM's
+    # per-layer K/V of a block), scattered back over other pieces.
+    host[8192:8192 + 1000] = np.frombuffer(blob(1000, 42), np.uint8)
+    pieces = [ptr, host.ctypes.data + 8192, ptr + 2 * 4096]
+    sizes = [4096, 1000, 4096]
+    whole = data[:4096] + host[8192:9192].tobytes() + data[2 * 4096:3 * 4096]
+    assert s.batch_put_from_multi_buffers([f"{tag}/block"], [pieces], [sizes]) == [0]
+    assert peer.call("get", key=f"{tag}/block") == {"hex": whole.hex()}
+    back = [ptr + (3 << 18), host.ctypes.data + 20000, ptr + (3 << 18) + 8192]
+    assert s.batch_get_into_multi_buffers([f"{tag}/block"], [back], [[3000, 3000, 8192]]) \
+        == [len(whole)]
+    assert read(3 << 18, 3000) == whole[:3000]
+    assert host[20000:23000].tobytes() == whole[3000:6000]
+    assert read((3 << 18) + 8192, len(whole) - 6000) == whole[6000:]
+    # Pieces holding fewer bytes than the object: -600, nothing written.
+    before = read(700_000, 4096)
+    assert s.batch_get_into_multi_buffers([f"{tag}/block"], [[ptr + 700_000]], [[4096]]) \
+        == [-600]
+    assert read(700_000, 4096) == before
+    assert s.unregister_buffer(host.ctypes.data) == 0
+    assert s.unregister_buffer(ptr) == 0
+
+
+def test_device_memory_moves_like_host_memory(master, peer, monkeypatch):
+    """Device memory (here the emulated device's, which faults on any CPU
+    access: a CPU copy of it would end the test) registered with
+    register_buffer and moved by every buffer call; the client's own
+    segment is host memory, so its copies go through the device's stream."""
     import kvlink
     monkeypatch.setenv("KVLINK_DEVICE", "emulated")
     dev = kvlink.DeviceBuffer(1 << 20)
     s = MooncakeDistributedStore()
     assert s.setup("127.0.0.1", "P2PHANDSHAKE", "4MB", "16MB", "tcp", "", master) == 0
     try:
-        assert s.register_buffer(dev.ptr, dev.nbytes) == -600
-        assert s.batch_put_from(["dev/0"], [dev.ptr], [4096]) == [-600]  # not registered
-        assert s.is_exist("dev/0") == 0
-        host = np.zeros(1 << 16, np.uint8)
-        assert s.register_buffer(host.ctypes.data, host.nbytes) == 0  # host memory still is
-        assert s.unregister_buffer(host.ctypes.data) == 0
+        _device_memory_moves(s, peer, dev.ptr, dev.nbytes, dev.write, dev.read, "dev")
+    finally:
+        assert s.close() == 0
+
+
+def test_cuda_tensors_move_like_host_memory(master, peer):
+    """The same with torch CUDA tensors and the real CUDA runtime (the
+    engine's default "auto" device runtime): skipped without torch and a GPU."""
+    torch = pytest.importorskip("torch")
+    if not torch.cuda.is_available():
+        pytest.skip("no CUDA device for torch")
+    t = torch.zeros(1 << 20, dtype=torch.uint8, device="cuda:0")
+
+    def write(offset: int, data: bytes) -> None:
+        t[offset:offset + len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8).cuda()
+        torch.cuda.synchronize()
+
+    def read(offset: int, n: int) -> bytes:
+        torch.cuda.synchronize()
+        return t[offset:offset + n].cpu().numpy().tobytes()
+
+    s = MooncakeDistributedStore()
+    assert s.setup("127.0.0.1", "P2PHANDSHAKE", "4MB", "16MB", "tcp", "", master) == 0
+    try:
+        _device_memory_moves(s, peer, t.data_ptr(), t.numel(), write, read, "cuda")
     finally:
         assert s.close() == 0
 

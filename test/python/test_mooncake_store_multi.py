@@ -163,9 +163,7 @@ def test_vllm_pattern_from_several_threads(store, peer):
         assert store.unregister_buffer(kv.base) == 0
 
 
-def test_rounds_bigger_than_the_staging_chunk(store, peer, monkeypatch):
-    import kvlink.mooncake_store as ms
-    monkeypatch.setattr(ms, "_STAGING_CHUNK", 3 * BLOCK_BYTES)  # 3 keys a round
+def test_blocks_read_back_into_other_ids_in_reverse(store, peer):
     kv = KvCache(store, 30)
     keys = [f"r/{b}" for b in range(7)]
     sizes = [[PIECE] * 8] * 7
@@ -276,19 +274,36 @@ def test_config_from_file_and_environment(master, peer, tmp_path, monkeypatch):
     assert s.close() == 0
 
 
-@pytest.mark.parametrize("example, says", [
-    ("vllm_store_pattern.py", ["prefix hit 24 of 32 blocks", "every byte as prefill wrote it"]),
-    ("sglang_hicache_pattern.py", ["20 of 24 pages stored (prefix)",
-                                   "every byte as the writer wrote it"]),
+def _cuda() -> bool:
+    try:
+        import torch
+    except ImportError:
+        return False
+    return torch.cuda.is_available()
+
+
+@pytest.mark.parametrize("example, args, says", [
+    ("vllm_store_pattern.py", [], ["prefix hit 24 of 32 blocks",
+                                   "(host memory), every byte as prefill wrote it"]),
+    ("vllm_store_pattern.py", ["--memory", "emulated"],
+     ["prefix hit 24 of 32 blocks", "(emulated memory), every byte as prefill wrote it"]),
+    ("vllm_store_pattern.py", ["--memory", "cuda"],
+     ["prefix hit 24 of 32 blocks", "(cuda memory), every byte as prefill wrote it"]),
+    ("sglang_hicache_pattern.py", [], ["20 of 24 pages stored (prefix)",
+                                       "every byte as the writer wrote it"]),
 ])
-def test_store_pattern_examples_run(example, says):
+def test_store_pattern_examples_run(example, args, says):
     """The examples, as a user runs them (ctest does not register them:
-    this test does)."""
+    this test does); vLLM's with its KV caches in host, emulated device and
+    (where torch sees a GPU) CUDA memory."""
     if not os.environ.get("KVLINK_MASTER"):
         pytest.skip("KVLINK_MASTER (the kvlink-master program) is not set")
-    env = {k: v for k, v in os.environ.items() if not k.startswith("MOONCAKE_")}
+    if "cuda" in args and not _cuda():
+        pytest.skip("no torch with a CUDA device")
+    env = {k: v for k, v in os.environ.items()
+           if not k.startswith("MOONCAKE_") and k != "KVLINK_DEVICE"}
     path = HERE.parent.parent / "examples" / "python" / example
-    out = subprocess.run([sys.executable, str(path)], capture_output=True, text=True,
+    out = subprocess.run([sys.executable, str(path)] + args, capture_output=True, text=True,
                          timeout=3 * WAIT, env=env)
     assert out.returncode == 0, out.stdout + out.stderr
     for line in says:

@@ -162,6 +162,75 @@ def test_registered_memory_in_place(store, peer):
         store.get_into("reg/0", address=base, capacity=4096)
 
 
+def test_pieces_gather_and_scatter(store, peer):
+    """put_pieces / get_pieces: objects of several pieces each, in flat
+    columns, moved without a staging copy; bad columns refused whole."""
+    arena = np.zeros(1 << 16, np.uint8)
+    seg = store.register(arena)
+    base = arena.ctypes.data
+    src = np.frombuffer(pattern(3 * 3000, 6), np.uint8)
+    arena[:src.size] = src
+    # Two objects: pieces 0,1 (3000 + 1000 B) and piece 2 alone (2000 B).
+    addrs = [base, base + 3000, base + 6000]
+    assert store.put_pieces(["pc/a", "pc/b"], addrs, [3000, 1000, 2000], [2, 1]) == [0, 0]
+    assert peer.call("get", key="pc/a") == {"hex": src[:4000].tobytes().hex()}
+    assert peer.call("get", key="pc/b") == {"hex": src[6000:8000].tobytes().hex()}
+    # Scattered back over three pieces (the last filled as far as it goes)
+    # and one, numpy columns.
+    out = base + (1 << 15)
+    got = store.get_pieces(["pc/a", "pc/b"],
+                           np.array([out, out + 10000, out + 20000, out + 30000], np.uint64),
+                           np.array([1500, 1500, 4000, 2000], np.uint64), [3, 1])
+    assert got == [4000, 2000]
+    o = 1 << 15
+    assert arena[o:o + 1500].tobytes() + arena[o + 10000:o + 11500].tobytes() + \
+        arena[o + 20000:o + 21000].tobytes() == src[:4000].tobytes()
+    assert not arena[o + 21000:o + 24000].any()
+    assert arena[o + 30000:o + 32000].tobytes() == src[6000:8000].tobytes()
+    # Too little room: -10; a key with no bytes: -600; a missing key: -704.
+    assert store.get_pieces(["pc/a"], [out], [100], [1]) == [-10]
+    assert store.put_pieces(["pc/empty"], [], [], [0]) == [-600]
+    assert store.get_pieces(["pc/missing"], [out], [100], [1]) == [-704]
+    with pytest.raises(kvlink.Error, match="add up to 3, not to the 2"):
+        store.put_pieces(["pc/x", "pc/y"], [base, base], [10, 10], [2, 1])
+    with pytest.raises(kvlink.Error, match="not inside memory registered"):
+        store.put_pieces(["pc/x"], [base, 4096], [10, 10], [2])
+    assert store.exists_batch(["pc/x", "pc/y"]) == [0, 0]
+    store.unregister(seg)
+
+
+def test_device_memory_registered_and_moved(master, peer):
+    """StoreClient.register of device memory (the emulated device's
+    DeviceBuffer by its __cuda_array_interface__, or an address), moved by
+    the address forms and the pieces, bytes read back through the device."""
+    dev = kvlink.DeviceBuffer(1 << 20)
+    with kvlink.StoreClient(master, listen="127.0.0.1:0", device="emulated") as c:
+        c.mount(4 << 20)
+        seg = c.register(dev)
+        data = pattern(3 * 4096, 7)
+        dev.write(0, data)
+        keys = [f"dv/{i}" for i in range(3)]
+        assert c.put_batch(keys, addresses=[dev.ptr + i * 4096 for i in range(3)],
+                           sizes=4096) == [0] * 3
+        for i, k in enumerate(keys):
+            assert peer.call("get", key=k) == {"hex": data[i * 4096:(i + 1) * 4096].hex()}
+            assert c.get(k) == data[i * 4096:(i + 1) * 4096]
+        assert c.get_into("dv/2", address=dev.ptr + 500000, capacity=4096) == 4096
+        assert dev.read(500000, 4096) == data[2 * 4096:]
+        assert c.put_pieces(["dv/all"], [dev.ptr + 8192, dev.ptr], [4096, 8192], [2]) == [0]
+        assert c.get("dv/all") == data[8192:] + data[:8192]
+        assert peer.call("get", key="dv/all") == {"hex": (data[8192:] + data[:8192]).hex()}
+        # Registered by address; pieces read into it.
+        dev2 = kvlink.DeviceBuffer(1 << 16)
+        seg2 = c.register(dev2.ptr, dev2.nbytes)
+        assert c.get_pieces(["dv/0", "dv/all"], [dev2.ptr + 100, dev2.ptr + 9000, dev2.ptr + 20000],
+                            [4096, 4096, 8192], [1, 2]) == [4096, 3 * 4096]
+        assert dev2.read(100, 4096) == data[:4096]
+        assert dev2.read(9000, 4096) + dev2.read(20000, 8192) == data[8192:] + data[:8192]
+        c.unregister(seg2)
+        c.unregister(seg)
+
+
 def test_pool_full_gives_no_space():
     # A master of its own: a put refused for space asks the master for an
     # eviction round, which would take unpinned objects of other tests.

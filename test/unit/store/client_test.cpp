@@ -6,15 +6,19 @@
 #include <kvlink/store/client/client.hpp>
 #include <kvlink/store/master/server.hpp>
 
+#include <algorithm>
 #include <atomic>
 #include <cstddef>
+#include <cstdlib>
 #include <future>
 #include <memory>
 #include <set>
+#include <span>
 #include <string>
 #include <thread>
 #include <vector>
 
+#include "../../support/device_memory.hpp"
 #include "../../support/test_support.hpp"
 #include <asio/experimental/as_tuple.hpp>
 #include <asio/io_context.hpp>
@@ -408,4 +412,176 @@ TEST_CASE("store client: a full pool evicts under pressure; leased, pinned and c
   // Hard-pinned: only a forced remove takes it.
   CHECK(error_of([&](auto h) { w.client.async_remove("pinned", false, h); }) ==
         kvlink::store_errc::object_hard_pinned);
+}
+
+// --- device memory (KVLINK_TEST_DEVICE: the emulated device in unit.store,
+// the CUDA runtime on the fake driver in unit.store.fake_cuda, a real GPU in
+// cuda.store): buffers of device memory put from and got into, through this
+// client's own segment (the device's stream) and a peer's (the engine), whole
+// and in pieces, bytes read back through the device's copy engine.
+
+namespace {
+
+// KVLINK_TEST_TRANSPORT: tcp by default; shm (device memory exported to the
+// other client's engine, or staged for its host memory).
+std::string transport_under_test() {
+  const char* v = std::getenv("KVLINK_TEST_TRANSPORT");
+  return v && *v ? v : "tcp";
+}
+
+// An engine with the device runtime under test, a client, 1 MiB of device
+// memory and 1 MiB of host memory registered, and (mount > 0) a host segment.
+struct device_member {
+  device_member(rig& r, std::uint64_t mount, std::shared_ptr<kvlink::device_runtime> rt)
+      : eng(r.io.get_executor(),
+            kvlink::config{.listen = "127.0.0.1:0",
+                           .transports = transport_under_test(),
+                           .device = {.runtime = kvlink_test::device_under_test()}}),
+        dev(1u << 20, true, rt),
+        host(1u << 20),
+        pool(mount),
+        client(eng, {.master = r.master->local_address()}) {
+    eng.register_segment(dev.data(), dev.size());
+    eng.register_segment(host.data(), host.size());
+    if (mount != 0) client.async_mount(pool.data(), pool.size(), asio::use_future).get();
+  }
+  ~device_member() { client.async_close(asio::use_future).get(); }
+
+  std::error_code put(const std::string& key, const void* data, std::uint64_t size) {
+    no_throw<> r;
+    client.async_put(key, data, size, {}, {}, r.handler());
+    return std::get<0>(r.get());
+  }
+  std::error_code get(const std::string& key, void* buf, std::uint64_t cap, std::uint64_t& size) {
+    no_throw<std::uint64_t> r;
+    client.async_get(key, buf, cap, r.handler());
+    const auto out = r.get();
+    size = std::get<1>(out);
+    return std::get<0>(out);
+  }
+
+  kvlink::engine eng;
+  kvlink_test::test_memory dev;
+  std::vector<std::byte> host;
+  std::vector<std::byte> pool;
+  store::client client;
+};
+
+std::vector<std::byte> pattern(std::size_t n, std::uint64_t seed) {
+  std::vector<std::byte> v(n);
+  fill_pattern(v.data(), n, seed, 0);
+  return v;
+}
+
+}  // namespace
+
+TEST_CASE("store client: device memory through its own segment and a peer's, whole and in pieces") {
+  const auto rt = kvlink_test::require_device_or_skip();
+  rig r;
+  device_member owner(r, 8u << 20, rt);  // holds the pool
+  device_member other(r, 0, rt);         // holds none: every byte crosses the engine
+  const auto a = pattern(300'001, 1), b = pattern(65'536, 2);
+  owner.dev.write(0, a.data(), a.size());
+  other.dev.write(4096, b.data(), b.size());
+
+  // Whole objects: the owner's device -> its own segment (a stream copy),
+  // the other's device -> the owner's segment (the engine).
+  REQUIRE(owner.put("dev/a", owner.dev.data(), a.size()) == std::error_code{});
+  REQUIRE(other.put("dev/b", other.dev.data() + 4096, b.size()) == std::error_code{});
+  std::uint64_t size = 0;
+  // Back into device memory both ways, and into host memory.
+  REQUIRE(other.get("dev/a", other.dev.data() + 8192, 1u << 19, size) == std::error_code{});
+  CHECK(size == a.size());
+  CHECK(other.dev.read(8192, a.size()) == a);
+  REQUIRE(owner.get("dev/b", owner.dev.data() + 500'000, 1u << 18, size) == std::error_code{});
+  CHECK(size == b.size());
+  CHECK(owner.dev.read(500'000, b.size()) == b);
+  REQUIRE(owner.get("dev/a", owner.host.data(), owner.host.size(), size) == std::error_code{});
+  CHECK(std::equal(a.begin(), a.end(), owner.host.begin()));
+  // A device buffer too small: buffer_overflow, the object's size, nothing written.
+  const auto before = owner.dev.read(600'000, 4096);
+  CHECK(owner.get("dev/a", owner.dev.data() + 600'000, 4096, size) ==
+        kvlink::store_errc::buffer_overflow);
+  CHECK(size == a.size());
+  CHECK(owner.dev.read(600'000, 4096) == before);
+
+  // Pieces: one object gathered from device, host and device memory, and
+  // scattered back over pieces of other sizes, on both clients.
+  for (auto* m : {&owner, &other}) {
+    const bool own = m == &owner;
+    const std::string key = own ? "dev/pieces-own" : "dev/pieces-peer";
+    const auto p0 = pattern(4096, own ? 10 : 20), p1 = pattern(1000, own ? 11 : 21),
+               p2 = pattern(12'288, own ? 12 : 22);
+    m->dev.write(100'000, p0.data(), p0.size());
+    std::memcpy(m->host.data() + 7, p1.data(), p1.size());
+    m->dev.write(200'000, p2.data(), p2.size());
+    const std::vector<store::buffer_piece> pieces{{m->dev.data() + 100'000, p0.size()},
+                                                  {m->host.data() + 7, p1.size()},
+                                                  {m->dev.data() + 200'000, p2.size()}};
+    const std::string_view keys[] = {key};
+    const std::uint32_t counts[] = {3};
+    std::error_code results[1];
+    no_throw<> put;
+    m->client.async_put_gather_batch(keys, pieces, counts, results, {}, {}, put.handler());
+    REQUIRE(std::get<0>(put.get()) == std::error_code{});
+    REQUIRE(results[0] == std::error_code{});
+    std::vector<std::byte> whole = p0;
+    whole.insert(whole.end(), p1.begin(), p1.end());
+    whole.insert(whole.end(), p2.begin(), p2.end());
+    // The whole object, read plainly by the other client.
+    device_member& reader = own ? other : owner;
+    REQUIRE(reader.get(key, reader.host.data() + 900'000, 100'000, size) == std::error_code{});
+    CHECK(size == whole.size());
+    CHECK(std::equal(whole.begin(), whole.end(), reader.host.begin() + 900'000));
+    // Scattered over host 5000 B, device 8000 B, device 10'000 B (the last
+    // filled only as far as the object goes: 4384 B; the rest untouched).
+    const auto tail_before = m->dev.read(320'000 + 4384, 10'000 - 4384);
+    const std::vector<store::buffer_piece> out{{m->host.data() + 10'000, 5000},
+                                               {m->dev.data() + 300'000, 8000},
+                                               {m->dev.data() + 320'000, 10'000}};
+    std::uint64_t sizes[1] = {};
+    no_throw<> get;
+    m->client.async_get_scatter_batch(keys, out, counts, sizes, results, get.handler());
+    REQUIRE(std::get<0>(get.get()) == std::error_code{});
+    REQUIRE(results[0] == std::error_code{});
+    CHECK(sizes[0] == whole.size());
+    CHECK(std::equal(whole.begin(), whole.begin() + 5000, m->host.begin() + 10'000));
+    const auto mid = m->dev.read(300'000, 8000);
+    CHECK(std::equal(mid.begin(), mid.end(), whole.begin() + 5000));
+    const auto last = m->dev.read(320'000, 4384);
+    CHECK(std::equal(last.begin(), last.end(), whole.begin() + 13'000));
+    CHECK(m->dev.read(320'000 + 4384, 10'000 - 4384) == tail_before);
+    // Pieces holding fewer bytes than the object: buffer_overflow.
+    const std::vector<store::buffer_piece> small{{m->dev.data() + 400'000, 4096},
+                                                 {m->host.data() + 50'000, 4096}};
+    const std::uint32_t two[] = {2};
+    no_throw<> short_get;
+    m->client.async_get_scatter_batch(keys, small, two, sizes, results, short_get.handler());
+    REQUIRE(std::get<0>(short_get.get()) == std::error_code{});
+    CHECK(results[0] == kvlink::store_errc::buffer_overflow);
+    CHECK(sizes[0] == whole.size());
+  }
+
+  // Counts that do not add up to the pieces: the batch is refused.
+  {
+    const std::string_view keys[] = {"dev/bad"};
+    const std::vector<store::buffer_piece> pieces{{owner.host.data(), 10}};
+    const std::uint32_t counts[] = {2};
+    std::error_code results[1];
+    no_throw<> put;
+    owner.client.async_put_gather_batch(keys, pieces, counts, results, {}, {}, put.handler());
+    CHECK(std::get<0>(put.get()) == kvlink::errc::invalid_argument);
+    const std::uint32_t none[] = {0};  // no bytes: the master's invalid_params
+    no_throw<> empty;
+    owner.client.async_put_gather_batch(keys, std::span<const store::buffer_piece>{}, none, results,
+                                        {}, {}, empty.handler());
+    CHECK(std::get<0>(empty.get()) == std::error_code{});
+    CHECK(results[0] == kvlink::store_errc::invalid_params);
+  }
+
+  // The pool is host memory: mounting device memory is refused.
+  kvlink_test::test_memory seg(1u << 20, true, rt);
+  no_throw<std::uint64_t> mount;
+  other.client.async_mount(seg.data(), seg.size(), mount.handler());
+  CHECK(std::get<0>(mount.get()) == kvlink::errc::invalid_argument);
 }

@@ -17,7 +17,7 @@
 // visible (put_end) or gives the space back (put_revoke) when a write
 // failed. A get asks the master where the object lies (a read lease comes
 // with the answer), READs it from one replica (this client's own segment
-// first: a memcpy; then one on the same host; then the first; another
+// first: a copy; then one on the same host; then the first; another
 // replica when that read fails) and fails with lease_expired when the lease
 // ran out before the bytes arrived. Objects are immutable; the first writer
 // wins.
@@ -26,7 +26,12 @@
 // registered with the engine (engine::register_segment), so the engine moves
 // the bytes without a copy; otherwise that key fails with not_registered.
 // They must stay valid until the handler runs. Keys are copied before the
-// initiating function returns.
+// initiating function returns. Device memory (the engine's config.device
+// runtime: cuda, emulated) is a buffer like host memory: the engine stages
+// or maps it for the transport, and copies to and from this client's own
+// segment go through the device's stream instead of memcpy. The pool's
+// segments (async_mount) are host memory. The gather/scatter forms take
+// several pieces per object (buffer_piece), moved without a staging copy.
 //
 // Batches take columns (keys[i], data[i], sizes[i]) and write one result per
 // key into the caller's `results` span, in input order; the handler's own
@@ -57,6 +62,7 @@
 #include <kvlink/detail/erased_handler.hpp>
 #include <kvlink/detail/log.hpp>
 #include <kvlink/engine.hpp>
+#include <kvlink/memory/device.hpp>
 #include <kvlink/store/error.hpp>
 #include <kvlink/store/wire/protocol.hpp>
 
@@ -130,6 +136,14 @@ struct put_config {
   bool soft_pin = false;                      ///< evicted only when nothing else is
   std::chrono::milliseconds soft_pin_ttl{0};  ///< 0: the master's default
   bool hard_pin = false;                      ///< never evicted; removed only by force
+};
+
+/// One piece of an object's bytes in the caller's memory (registered with
+/// the engine): a put gathers an object from its pieces in order, a get
+/// scatters it over them (vLLM's per-layer K and V of one block, one object).
+struct buffer_piece {
+  void* data = nullptr;
+  std::uint64_t size = 0;
 };
 
 namespace detail {
@@ -236,6 +250,16 @@ class client_state : public std::enable_shared_from_this<client_state> {
 
   asio::awaitable<result<std::uint64_t>> mount(void* base, std::uint64_t size) {
     std::error_code ec;
+    // The pool is host memory: this client copies into and out of its own
+    // segment on the CPU when the other side is host memory.
+    if (const auto& rt = eng_.device_runtime();
+        rt && rt->classify(base).memory.kind == memory_kind::device) {
+      kvlink::detail::log(
+          "store: mount {} ({} bytes) refused: device memory; a segment of the pool is host "
+          "memory (register device memory with the engine and put from it)",
+          base, size);
+      co_return result<std::uint64_t>{make_error_code(errc::invalid_argument), 0};
+    }
     const auto seg = eng_.register_segment(base, size, access::remote_read_write, ec);
     if (ec) co_return result<std::uint64_t>{ec, 0};
     mount_rec m{static_cast<std::byte*>(base), size, seg, 0};
@@ -250,10 +274,49 @@ class client_state : public std::enable_shared_from_this<client_state> {
 
   // ------------------------------------------------------------ operations
 
+  // One piece per key (the plain batch forms).
+  template <class Ptr>
+  static void one_piece_each(std::span<Ptr const> data, std::span<const std::uint64_t> sizes,
+                             std::vector<buffer_piece>& pieces, std::vector<std::size_t>& first) {
+    pieces.reserve(data.size());
+    first.reserve(data.size() + 1);
+    for (std::size_t i = 0; i < data.size(); ++i) {
+      first.push_back(i);
+      pieces.push_back({const_cast<void*>(static_cast<const void*>(data[i])), sizes[i]});
+    }
+    first.push_back(data.size());
+  }
+
+  // first[] and per-key byte totals of `counts` pieces each; false when
+  // the counts do not add up to pieces.size() or a total overflows.
+  static bool split_pieces(std::span<const buffer_piece> pieces,
+                           std::span<const std::uint32_t> counts, std::vector<std::size_t>& first,
+                           std::vector<std::uint64_t>& totals) {
+    first.assign(1, 0);
+    totals.clear();
+    std::size_t at = 0;
+    for (const auto c : counts) {
+      if (c > pieces.size() - at) return false;
+      std::uint64_t total = 0;
+      for (std::size_t p = at; p < at + c; ++p) {
+        if (pieces[p].size > UINT64_MAX - total) return false;
+        total += pieces[p].size;
+      }
+      at += c;
+      first.push_back(at);
+      totals.push_back(total);
+    }
+    return at == pieces.size();
+  }
+
+  // Key i's bytes are pieces[first[i]] .. pieces[first[i + 1] - 1], in
+  // order (first has one entry more than keys): one piece per key for the
+  // plain forms, several for the gather/scatter ones.
   struct put_batch_args {
     std::vector<std::string> keys;
-    std::vector<const void*> data;
-    std::vector<std::uint64_t> sizes;
+    std::vector<buffer_piece> pieces;
+    std::vector<std::size_t> first;
+    std::vector<std::uint64_t> sizes;  ///< key i's bytes: its pieces' sum
     std::vector<std::string> parents;
     put_config cfg;
     std::span<std::error_code> results;
@@ -290,6 +353,7 @@ class client_state : public std::enable_shared_from_this<client_state> {
     // The writes: every replica of every placed key, grouped by peer.
     std::vector<char> placed_ok(n, 0);
     std::vector<group> groups;
+    std::vector<local_copy> copies;
     for (std::size_t i = 0; i < n; ++i) {
       const auto& e = placed.entries[i];
       if (e.code != 0) {
@@ -307,15 +371,21 @@ class client_state : public std::enable_shared_from_this<client_state> {
           a.results[i] = make_error_code(store_errc::internal_error);
           continue;
         }
-        if (loc->local != nullptr) {
-          std::memcpy(loc->local + rep.offset, a.data[i], a.sizes[i]);
-          continue;
+        std::uint64_t at = rep.offset;
+        for (std::size_t p = a.first[i]; p < a.first[i + 1]; ++p) {
+          const auto& piece = a.pieces[p];
+          if (piece.size == 0) continue;
+          if (loc->local != nullptr) {
+            copies.push_back({loc->local + at, piece.data, piece.size, i});
+          } else {
+            group_of(groups, loc->remote.peer, rep.segment)
+                .add(i, transfer_request{opcode::write, piece.data, loc->remote, at, piece.size});
+          }
+          at += piece.size;
         }
-        group_of(groups, loc->remote.peer, rep.segment)
-            .add(i, transfer_request{opcode::write, const_cast<void*>(a.data[i]), loc->remote,
-                                     rep.offset, a.sizes[i]});
       }
     }
+    co_await run_copies(copies, a.results);
     co_await run_groups(groups);
     for (auto& g : groups) {
       if (!g.ec) continue;
@@ -347,8 +417,9 @@ class client_state : public std::enable_shared_from_this<client_state> {
 
   struct get_batch_args {
     std::vector<std::string> keys;
-    std::vector<void*> buffers;
-    std::vector<std::uint64_t> capacities;
+    std::vector<buffer_piece> pieces;  ///< as put_batch_args'
+    std::vector<std::size_t> first;
+    std::vector<std::uint64_t> capacities;  ///< key i's pieces' sum
     std::span<std::uint64_t> sizes;
     std::span<std::error_code> results;
   };
@@ -407,6 +478,7 @@ class client_state : public std::enable_shared_from_this<client_state> {
     for (std::size_t i = 0; i < n; ++i) pending[i] = !a.results[i] && !order[i].empty();
     for (std::size_t round = 0; round < wire::max_wire_replicas; ++round) {
       std::vector<group> groups;
+      std::vector<local_copy> copies;
       bool any = false;
       for (std::size_t i = 0; i < n; ++i) {
         if (!pending[i]) continue;
@@ -424,16 +496,32 @@ class client_state : public std::enable_shared_from_this<client_state> {
           a.results[i] = make_error_code(store_errc::internal_error);
           continue;
         }
+        // The object's bytes over the key's pieces, the last one filled as
+        // far as the object goes.
+        std::uint64_t at = rep.offset;
+        std::uint64_t left = a.sizes[i];
+        for (std::size_t p = a.first[i]; p < a.first[i + 1] && left > 0; ++p) {
+          const auto step = std::min(a.pieces[p].size, left);
+          if (step == 0) continue;
+          if (loc->local != nullptr) {
+            copies.push_back({a.pieces[p].data, loc->local + at, step, i});
+          } else {
+            any = true;
+            group_of(groups, loc->remote.peer, rep.segment)
+                .add(i, transfer_request{opcode::read, a.pieces[p].data, loc->remote, at, step});
+          }
+          at += step;
+          left -= step;
+        }
         if (loc->local != nullptr) {
-          std::memcpy(a.buffers[i], loc->local + rep.offset, a.sizes[i]);
           a.results[i] = {};
           pending[i] = 0;
-          continue;
         }
-        any = true;
-        group_of(groups, loc->remote.peer, rep.segment)
-            .add(i,
-                 transfer_request{opcode::read, a.buffers[i], loc->remote, rep.offset, a.sizes[i]});
+      }
+      if (!copies.empty()) {
+        co_await run_copies(copies, a.results);
+        // A copy that failed (a device's) is not retried from another replica.
+        for (const auto& c : copies) pending[c.key] = 0;
       }
       if (!any) break;
       co_await run_groups(groups);
@@ -558,7 +646,8 @@ class client_state : public std::enable_shared_from_this<client_state> {
     a.results = std::span<std::error_code>(&r, 1);
     a.sizes = std::span<std::uint64_t>(&size, 1);
     const auto ec = co_await get(std::move(a));
-    if (ec || r) co_return result<std::uint64_t>{ec ? ec : r, 0};
+    if (ec) co_return result<std::uint64_t>{ec, 0};
+    if (r) co_return result<std::uint64_t>{r, r == store_errc::buffer_overflow ? size : 0};
     co_return result<std::uint64_t>{std::error_code{}, size};
   }
   asio::awaitable<result<>> keys_batch(wire::message_type type, std::vector<std::string> keys,
@@ -658,6 +747,13 @@ class client_state : public std::enable_shared_from_this<client_state> {
     std::uint64_t size = 0;
     std::string host;
   };
+  // A copy between the caller's memory and this client's own segment.
+  struct local_copy {
+    void* dst = nullptr;
+    const void* src = nullptr;
+    std::uint64_t n = 0;
+    std::size_t key = 0;
+  };
   // Transfers to one peer's segment, and the keys they carry.
   struct group {
     peer_id peer;
@@ -710,6 +806,75 @@ class client_state : public std::enable_shared_from_this<client_state> {
         co_await asio::async_initiate<decltype(control::use_nothrow), void(std::error_code)>(
             wait, control::use_nothrow);
     (void)ec;
+  }
+
+  // Copies between the caller's memory and this client's own segment:
+  // memcpy between host memory, the device's stream (the engine's runtime)
+  // when the caller's side is device memory. A failed copy sets its key's
+  // result.
+  asio::awaitable<void> run_copies(std::vector<local_copy>& copies,
+                                   std::span<std::error_code> results) {
+    const auto& rt = eng_.device_runtime();
+    struct join {
+      std::size_t left = 1;  // the issuing loop's own
+      kvlink::detail::erased_handler<void(std::error_code)> done;
+      bool waiting = false;
+      std::vector<std::error_code> errs;  // per copy
+    };
+    auto j = std::make_shared<join>();
+    j->errs.resize(copies.size());
+    auto& errs = j->errs;
+    for (std::size_t c = 0; c < copies.size(); ++c) {
+      auto& cp = copies[c];
+      memory_desc dst_m{}, src_m{};
+      if (rt) {
+        dst_m = rt->classify(cp.dst).memory;
+        src_m = rt->classify(cp.src).memory;
+      }
+      if (dst_m.kind != memory_kind::device && src_m.kind != memory_kind::device) {
+        std::memcpy(cp.dst, cp.src, cp.n);
+        continue;
+      }
+      const auto device = dst_m.kind == memory_kind::device ? dst_m.device : src_m.device;
+      std::string what;
+      auto stream = stream_of(device, errs[c], what);
+      if (!stream) {
+        kvlink::detail::log("store: no copy stream on device {} for key {}: {}", device, cp.key,
+                            what);
+        continue;
+      }
+      ++j->left;
+      stream->async_copy(cp.dst, dst_m, cp.src, src_m, cp.n, [j, c](std::error_code ec) {
+        j->errs[c] = ec;
+        if (--j->left == 0 && j->waiting) j->done.complete({});
+      });
+    }
+    if (--j->left != 0) {
+      // Named, not a temporary of the co_await expression (see run_groups).
+      auto wait = [this, j](auto h) {
+        j->done = kvlink::detail::erased_handler<void(std::error_code)>(std::move(h), strand_);
+        j->waiting = true;
+        if (j->left == 0) j->done.complete({});
+      };
+      auto [ec] =
+          co_await asio::async_initiate<decltype(control::use_nothrow), void(std::error_code)>(
+              wait, control::use_nothrow);
+      (void)ec;
+    }
+    for (std::size_t c = 0; c < copies.size(); ++c) {
+      if (errs[c] && !results[copies[c].key]) results[copies[c].key] = errs[c];
+    }
+  }
+
+  // The engine runtime's stream on `device`, opened at first use; its
+  // completions run on the strand.
+  std::shared_ptr<device_stream> stream_of(std::int32_t device, std::error_code& ec,
+                                           std::string& what) {
+    if (auto it = streams_.find(device); it != streams_.end()) return it->second;
+    const auto& rt = eng_.device_runtime();
+    auto s = rt->open_stream(device, asio::any_io_executor(strand_), ec, what);
+    if (s) streams_.emplace(device, s);
+    return s;
   }
 
   // Where a store segment's bytes are: ours, or a peer's (connected).
@@ -1024,6 +1189,7 @@ class client_state : public std::enable_shared_from_this<client_state> {
 
   std::vector<mount_rec> mounts_;
   std::unordered_map<std::uint64_t, location> locations_;
+  std::map<std::int32_t, std::shared_ptr<device_stream>> streams_;  // run_copies'
 };
 
 }  // namespace detail
@@ -1072,15 +1238,20 @@ class client {
         std::forward<Token>(token), [base, size](state& s) { return s.mount(base, size); });
   }
 
-  /// Puts one object: `size` bytes at `data` (registered memory) under
-  /// `key`. `parent`: the key this object extends (a KV-cache prefix), so
-  /// eviction takes chain tails first; "" none. Signature:
-  /// void(std::error_code).
+  /// Puts one object: `size` bytes at `data` (registered memory: host, or
+  /// device memory when the engine has a device runtime) under `key`.
+  /// `parent`: the key this object extends (a KV-cache prefix), so eviction
+  /// takes chain tails first; "" none. Signature: void(std::error_code).
   template <class Token = asio::default_completion_token_t<executor_type>>
   auto async_put(std::string_view key, const void* data, std::uint64_t size, put_config cfg = {},
                  std::string_view parent = {}, Token&& token = Token{}) {
-    state::put_batch_args a{{std::string(key)},    {data},         {size},
-                            {std::string(parent)}, std::move(cfg), {}};
+    state::put_batch_args a;
+    a.keys = {std::string(key)};
+    a.pieces = {buffer_piece{const_cast<void*>(data), size}};
+    a.first = {0, 1};
+    a.sizes = {size};
+    a.parents = {std::string(parent)};
+    a.cfg = std::move(cfg);
     return run<void(std::error_code)>(
         std::forward<Token>(token),
         [a = std::move(a)](state& s) mutable { return s.put_one(std::move(a)); });
@@ -1101,7 +1272,7 @@ class client {
     state::put_batch_args a;
     if (ok) {
       a.keys.assign(keys.begin(), keys.end());
-      a.data.assign(data.begin(), data.end());
+      state::one_piece_each(data, sizes, a.pieces, a.first);
       a.sizes.assign(sizes.begin(), sizes.end());
       a.parents.assign(parents.begin(), parents.end());
       a.cfg = std::move(cfg);
@@ -1112,14 +1283,49 @@ class client {
         [a = std::move(a), ok](state& s) mutable { return s.put_op(std::move(a), ok); });
   }
 
-  /// Gets one object into [buffer, buffer + capacity) (registered memory).
-  /// Signature: void(std::error_code, std::uint64_t size). Errors:
-  /// object_not_found, object_in_progress, buffer_overflow (capacity below
-  /// its size), lease_expired, the engine's transfer errors, rpc_*.
+  /// Puts many objects, each gathered from pieces: keys[i]'s object is the
+  /// next counts[i] entries of `pieces`, in order (vLLM's K and V of every
+  /// layer of one block: one object, no gathering copy; each piece is
+  /// WRITTEN to its place in every replica). A key whose pieces hold no
+  /// bytes gets invalid_params, as an empty put does. Otherwise as
+  /// async_put_batch; sum(counts) must be pieces.size() (else the batch:
+  /// invalid_argument).
+  template <class Token = asio::default_completion_token_t<executor_type>>
+  auto async_put_gather_batch(std::span<const std::string_view> keys,
+                              std::span<const buffer_piece> pieces,
+                              std::span<const std::uint32_t> counts,
+                              std::span<std::error_code> results, put_config cfg = {},
+                              std::span<const std::string_view> parents = {},
+                              Token&& token = Token{}) {
+    state::put_batch_args a;
+    bool ok = counts.size() == keys.size() && results.size() == keys.size() &&
+              (parents.empty() || parents.size() == keys.size()) &&
+              state::split_pieces(pieces, counts, a.first, a.sizes);
+    if (ok) {
+      a.keys.assign(keys.begin(), keys.end());
+      a.pieces.assign(pieces.begin(), pieces.end());
+      a.parents.assign(parents.begin(), parents.end());
+      a.cfg = std::move(cfg);
+      a.results = results;
+    }
+    return run<void(std::error_code)>(
+        std::forward<Token>(token),
+        [a = std::move(a), ok](state& s) mutable { return s.put_op(std::move(a), ok); });
+  }
+
+  /// Gets one object into [buffer, buffer + capacity) (registered memory,
+  /// host or device). Signature: void(std::error_code, std::uint64_t size).
+  /// Errors: object_not_found, object_in_progress, buffer_overflow
+  /// (capacity below its size; `size` is then the object's, nothing is
+  /// written), lease_expired, the engine's transfer errors, rpc_*.
   template <class Token = asio::default_completion_token_t<executor_type>>
   auto async_get(std::string_view key, void* buffer, std::uint64_t capacity,
                  Token&& token = Token{}) {
-    state::get_batch_args a{{std::string(key)}, {buffer}, {capacity}, {}, {}};
+    state::get_batch_args a;
+    a.keys = {std::string(key)};
+    a.pieces = {buffer_piece{buffer, capacity}};
+    a.first = {0, 1};
+    a.capacities = {capacity};
     return run<void(std::error_code, std::uint64_t)>(
         std::forward<Token>(token),
         [a = std::move(a)](state& s) mutable { return s.get_one(std::move(a)); });
@@ -1139,8 +1345,33 @@ class client {
     state::get_batch_args a;
     if (ok) {
       a.keys.assign(keys.begin(), keys.end());
-      a.buffers.assign(buffers.begin(), buffers.end());
+      state::one_piece_each(buffers, capacities, a.pieces, a.first);
       a.capacities.assign(capacities.begin(), capacities.end());
+      a.sizes = sizes;
+      a.results = results;
+    }
+    return run<void(std::error_code)>(
+        std::forward<Token>(token),
+        [a = std::move(a), ok](state& s) mutable { return s.get_op(std::move(a), ok); });
+  }
+
+  /// Gets many objects, each scattered over pieces: keys[i]'s bytes fill
+  /// the next counts[i] entries of `pieces` in order, the last one as far
+  /// as the object goes (buffer_overflow, nothing written, when they hold
+  /// fewer bytes than the object). Otherwise as async_get_batch.
+  template <class Token = asio::default_completion_token_t<executor_type>>
+  auto async_get_scatter_batch(std::span<const std::string_view> keys,
+                               std::span<const buffer_piece> pieces,
+                               std::span<const std::uint32_t> counts,
+                               std::span<std::uint64_t> sizes, std::span<std::error_code> results,
+                               Token&& token = Token{}) {
+    state::get_batch_args a;
+    bool ok = counts.size() == keys.size() && sizes.size() == keys.size() &&
+              results.size() == keys.size() &&
+              state::split_pieces(pieces, counts, a.first, a.capacities);
+    if (ok) {
+      a.keys.assign(keys.begin(), keys.end());
+      a.pieces.assign(pieces.begin(), pieces.end());
       a.sizes = sizes;
       a.results = results;
     }
