@@ -14,8 +14,10 @@ in the client, so the same-host shared-memory path is not used). Rows, each
 over --seconds after a warm-up, 4 KiB values from registered memory:
   batched puts / gets (batch_put_from / batch_get_into, 128 keys a call),
   one at a time (put_from / get_into), batch_is_exist of 128 keys,
-  and 2.25 MiB objects (one Qwen3-8B 16-token block) put and get, 4 a
-  call (batch_put_from / batch_get_into), GB/s.
+  and 2.25 MiB objects (one Qwen3-8B 16-token block) put and get, GB/s:
+  4 a call (batch_put_from / batch_get_into: bw-*-b4, no C++ row of that
+  shape) and, as the C++ rows run, 4 calls of one object in flight
+  (put_from / get_into from 4 threads: bw-*-block).
 The C++ rows are kvlink_store_bench's put-c1-b128, get-c1-b128, put-c1-d1,
 get-c1-d1, exists-c1-b128 and bw-put-block / bw-get-block (the C++ client
 on the same machine, its own master and serving process, TCP), run right
@@ -23,6 +25,7 @@ after by this script. GB = 10^9 bytes, GiB = 2^30 bytes.
 """
 
 import argparse
+import concurrent.futures
 import json
 import os
 import re
@@ -145,16 +148,45 @@ def python_rows(store: MooncakeDistributedStore, seconds: float) -> dict:
             store.batch_remove([f"py/b/{j}/{i}" for j in range(k[0] - 16, k[0])
                                 for i in range(4)], True)
 
-    out["bw-put-block"] = rate(put_blocks, seconds, 4 * BLOCK) / 1e9
+    out["bw-put-b4"] = rate(put_blocks, seconds, 4 * BLOCK) / 1e9
     read = [f"py/r/{i}" for i in range(4)]
     assert store.batch_put_from(read, bsrc, [BLOCK] * 4) == [0] * 4
 
     def get_blocks():
         assert store.batch_get_into(read, bdst, [BLOCK] * 4) == [BLOCK] * 4
 
-    out["bw-get-block"] = rate(get_blocks, seconds, 4 * BLOCK) / 1e9
+    out["bw-get-b4"] = rate(get_blocks, seconds, 4 * BLOCK) / 1e9
     assert arena[blocks + 0 - base + 4 * BLOCK:].tobytes() == \
         arena[blocks - base:blocks - base + 4 * BLOCK].tobytes()
+    # The C++ rows' shape: 4 calls of one object in flight (4 threads; the
+    # calls release the GIL).
+    assert store.remove_all(True) >= 0
+
+    def in_flight(call) -> float:
+        def worker(t: int) -> int:
+            calls = 0
+            t0 = time.perf_counter()
+            while time.perf_counter() - t0 < seconds:
+                call(t, calls)
+                calls += 1
+            return calls
+        t0 = time.perf_counter()
+        with concurrent.futures.ThreadPoolExecutor(4) as pool:
+            calls = sum(pool.map(worker, range(4)))
+        return calls * BLOCK / (time.perf_counter() - t0) / 1e9
+
+    def put_one_block(t: int, c: int) -> None:
+        assert store.put_from(f"py/t/{t}/{c}", bsrc[t], BLOCK) == 0
+        if c % 16 == 15:  # 4 x 16 x 2.25 MiB at most: inside the 1 GiB pool
+            store.batch_remove([f"py/t/{t}/{j}" for j in range(c - 15, c + 1)], True)
+
+    def get_one_block(t: int, c: int) -> None:
+        assert store.get_into(read[t], bdst[t], BLOCK) == BLOCK
+
+    out["bw-put-block"] = in_flight(put_one_block)
+    assert store.remove_all(True) >= 0
+    assert store.batch_put_from(read, bsrc, [BLOCK] * 4) == [0] * 4
+    out["bw-get-block"] = in_flight(get_one_block)
     assert store.remove_all(True) >= 0
     assert store.unregister_buffer(base) == 0
     return out
@@ -203,13 +235,14 @@ def main() -> int:
     cpp = cpp_rows(a.cpp_bench, a.seconds) if a.cpp_bench else {}
     names = {"put-b128": "put-c1-b128", "get-b128": "get-c1-b128",
              "exists-b128": "exists-c1-b128", "put-d1": "put-c1-d1", "get-d1": "get-c1-d1",
+             "bw-put-b4": "", "bw-get-b4": "",
              "bw-put-block": "bw-put-block", "bw-get-block": "bw-get-block"}
     print("# the store from Python (mooncake.store over kvlink, one client, no segment) vs "
           "kvlink_store_bench's C++ client, loopback TCP, 1 GiB holder; keys/s, GB/s = 10^9 B/s")
     print(f"{'row':<14} {'unit':<6} {'python':>12} {'c++':>12} {'py/c++':>8}")
     for row, value in py.items():
         unit = "GB/s" if row.startswith("bw-") else "keys/s"
-        ref = cpp.get(names[row])
+        ref = cpp.get(names[row]) if names[row] else None
         ratio = f"{value / ref:.2f}" if ref else "-"
         fmt = "{:>12.2f}" if unit == "GB/s" else "{:>12.0f}"
         print(f"{row:<14} {unit:<6} " + fmt.format(value) + " " +
