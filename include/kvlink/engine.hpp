@@ -187,6 +187,14 @@ class engine {
   /// ("tcp (rdma: no usable RDMA device)").
   std::string transports() const { return core_->offer(); }
 
+  /// The registered segment that holds [addr, addr + length) (its id,
+  /// bounds, access and memory kind) in `out`: not_registered when none
+  /// holds addr, out_of_bounds when the range runs past its end. Any
+  /// thread.
+  std::error_code find_segment(const void* addr, std::uint64_t length, segment_info& out) const {
+    return core_->registry().locate(addr, length, out);
+  }
+
   /// The device runtime config.device named (null: none): what a layer
   /// above uses to tell device memory from host memory (classify) and to
   /// copy between them on this host (open_stream), as the engine does.

@@ -267,6 +267,9 @@ class engine_core final : public transport_host,
     return it->second;
   }
 
+  /// This engine's registered segments (thread-safe lookups).
+  const segment_registry& registry() const noexcept { return registry_; }
+
   /// The engine's device runtime (null: none).
   const std::shared_ptr<device_runtime>& device() const noexcept { return device_; }
 

@@ -159,7 +159,21 @@ TEST_CASE("store client: bad input gets its error and leaves nothing behind") {
           b.client.async_put("loose", loose.data(), loose.size(), {}, {}, h);
         }) == kvlink::errc::not_registered);
   CHECK_FALSE(a.client.async_exists("loose", asio::use_future).get());
+  // The same from the owner, whose put lands in its own segment (a copy,
+  // not a transfer): refused alike, and so is a get into loose memory.
+  CHECK(error_of([&](auto h) {
+          a.client.async_put("loose", loose.data(), loose.size(), {}, {}, h);
+        }) == kvlink::errc::not_registered);
+  CHECK_FALSE(a.client.async_exists("loose", asio::use_future).get());
   CHECK(b.put("loose", 0, 4096, 5) == std::error_code{});
+  CHECK(error_of([&](auto h) {
+          a.client.async_get("loose", loose.data(), loose.size(),
+                             [h](std::error_code ec, std::uint64_t) mutable { h(ec); });
+        }) == kvlink::errc::not_registered);
+  // A buffer running past the end of its registration: out_of_bounds.
+  CHECK(error_of([&](auto h) {
+          a.client.async_put("edge", a.work.data() + a.work.size() - 100, 4096, {}, {}, h);
+        }) == kvlink::errc::out_of_bounds);
   // The pool full: no_space at once, as Mooncake's -200.
   // (big1 is read first: its read lease keeps the eviction that the failed
   // put asks for from taking it.)

@@ -376,7 +376,7 @@ class client_state : public std::enable_shared_from_this<client_state> {
           const auto& piece = a.pieces[p];
           if (piece.size == 0) continue;
           if (loc->local != nullptr) {
-            copies.push_back({loc->local + at, piece.data, piece.size, i});
+            copies.push_back({loc->local + at, piece.data, piece.size, i, true});
           } else {
             group_of(groups, loc->remote.peer, rep.segment)
                 .add(i, transfer_request{opcode::write, piece.data, loc->remote, at, piece.size});
@@ -504,7 +504,7 @@ class client_state : public std::enable_shared_from_this<client_state> {
           const auto step = std::min(a.pieces[p].size, left);
           if (step == 0) continue;
           if (loc->local != nullptr) {
-            copies.push_back({a.pieces[p].data, loc->local + at, step, i});
+            copies.push_back({a.pieces[p].data, loc->local + at, step, i, false});
           } else {
             any = true;
             group_of(groups, loc->remote.peer, rep.segment)
@@ -753,6 +753,7 @@ class client_state : public std::enable_shared_from_this<client_state> {
     const void* src = nullptr;
     std::uint64_t n = 0;
     std::size_t key = 0;
+    bool from_caller = true;  ///< src is the caller's memory (a put), else dst (a get)
   };
   // Transfers to one peer's segment, and the keys they carry.
   struct group {
@@ -809,9 +810,10 @@ class client_state : public std::enable_shared_from_this<client_state> {
   }
 
   // Copies between the caller's memory and this client's own segment:
-  // memcpy between host memory, the device's stream (the engine's runtime)
-  // when the caller's side is device memory. A failed copy sets its key's
-  // result.
+  // memcpy for host memory, the device's stream (the engine's runtime) for
+  // device memory. The caller's side must lie in memory registered with the
+  // engine, as a transfer's must (not_registered, out_of_bounds otherwise:
+  // nothing is copied). A failed copy sets its key's result.
   asio::awaitable<void> run_copies(std::vector<local_copy>& copies,
                                    std::span<std::error_code> results) {
     const auto& rt = eng_.device_runtime();
@@ -826,16 +828,19 @@ class client_state : public std::enable_shared_from_this<client_state> {
     auto& errs = j->errs;
     for (std::size_t c = 0; c < copies.size(); ++c) {
       auto& cp = copies[c];
-      memory_desc dst_m{}, src_m{};
-      if (rt) {
-        dst_m = rt->classify(cp.dst).memory;
-        src_m = rt->classify(cp.src).memory;
+      segment_info caller;
+      if (auto ec = eng_.find_segment(cp.from_caller ? cp.src : cp.dst, cp.n, caller)) {
+        errs[c] = ec;
+        continue;
       }
-      if (dst_m.kind != memory_kind::device && src_m.kind != memory_kind::device) {
+      // The own segment is host memory (mount refuses device memory).
+      memory_desc dst_m{}, src_m{};
+      (cp.from_caller ? src_m : dst_m) = caller.memory;
+      if (!rt || caller.memory.kind != memory_kind::device) {
         std::memcpy(cp.dst, cp.src, cp.n);
         continue;
       }
-      const auto device = dst_m.kind == memory_kind::device ? dst_m.device : src_m.device;
+      const auto device = caller.memory.device;
       std::string what;
       auto stream = stream_of(device, errs[c], what);
       if (!stream) {
