@@ -385,7 +385,7 @@ class client_state : public std::enable_shared_from_this<client_state> {
         }
       }
     }
-    co_await run_copies(copies, a.results);
+    if (!copies.empty()) co_await run_copies(copies, a.results);
     co_await run_groups(groups);
     for (auto& g : groups) {
       if (!g.ec) continue;
