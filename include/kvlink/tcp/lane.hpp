@@ -3,10 +3,18 @@
 //
 // Slices queue up per lane and are sent back to back (many in flight, up to
 // a window), headers and payloads gathered into one write straight from the
-// caller's memory. Responses come back in order on the same connection;
-// write acknowledgements are read in bulk, read responses' payloads are read
-// straight into the caller's memory. The lane never reads past the response
-// it expects next, so no payload byte is ever staged in a buffer of ours.
+// caller's memory. Responses come back in order on the same connection and
+// are read in bulk: one receive takes the write acknowledgements and the
+// small READ responses (payloads of at most small_read bytes) expected
+// next, up to recv_capacity bytes, and stops at the header of a large READ
+// response, whose payload is then read straight into the caller's memory.
+// The small payloads that came with a receive are copied into place
+// together, in one process_vm_writev on this process (the kernel copies and
+// answers EFAULT for a destination that is not writable: that READ fails
+// with errc::local_memory_fault and the stream goes on, since its bytes were
+// already taken from it). A response shorter than expected (an error
+// status) may let a receive take part of a large payload: that part is
+// copied the same way and the rest read straight into place.
 //
 // A fault in our own memory (a local buffer unmapped or protected after its
 // registration: the kernel answers EFAULT) breaks the stream but says
@@ -72,6 +80,11 @@ class lane final : public std::enable_shared_from_this<lane> {
  public:
   static constexpr std::size_t max_batch_frames = 64;
   static constexpr std::uint64_t max_batch_bytes = 8u << 20;
+  /// READ responses whose payload is at most this long are received with
+  /// the responses around them (into the lane's buffer, then copied).
+  static constexpr std::uint64_t small_read = 16u << 10;
+  /// Bytes one receive of responses may bring.
+  static constexpr std::size_t recv_capacity = 64u << 10;
 
   using broken_fn = std::function<void(std::deque<slice_ref>)>;
 
@@ -88,6 +101,7 @@ class lane final : public std::enable_shared_from_this<lane> {
         on_broken_(std::move(on_broken)) {
     send_headers_.reserve(max_batch_frames);
     send_bufs_.reserve(2 * max_batch_frames);
+    recv_buf_.resize(recv_capacity);
   }
 
   /// Starts the receive loop (it also notices a peer that goes away while
@@ -246,19 +260,23 @@ class lane final : public std::enable_shared_from_this<lane> {
 
   void receive() {
     if (failed_ || receiving_) return;
-    // Read at most the headers of the responses expected next, up to and
-    // including the first READ response (whose payload follows its header):
-    // never past the next payload.
+    // The responses expected next: acknowledgements and small READ
+    // responses whole, up to and including the header of the first large
+    // READ response (its payload goes straight into place).
     std::size_t want = 0;
     for (const auto& s : inflight_) {
-      ++want;
-      if (s.kind == opcode::read || want == recv_buf_.size()) break;
+      want += frame_header_size;
+      if (s.kind == opcode::read) {
+        if (s.length > small_read) break;
+        want += static_cast<std::size_t>(s.length);
+      }
+      if (want >= recv_buf_.size()) break;
     }
-    want = std::max<std::size_t>(want, 1);
-    const std::size_t cap = want * frame_header_size - have_;
-    const std::size_t at_least = frame_header_size - have_;
+    want = std::clamp<std::size_t>(want, frame_header_size, recv_buf_.size());
+    if (want <= have_) want = std::min(have_ + frame_header_size, recv_buf_.size());
+    const std::size_t at_least = have_ < frame_header_size ? frame_header_size - have_ : 1;
     receiving_ = true;
-    asio::async_read(socket_, asio::buffer(recv_buf_.data()->data() + have_, cap),
+    asio::async_read(socket_, asio::buffer(recv_buf_.data() + have_, want - have_),
                      asio::transfer_at_least(at_least),
                      [self = shared_from_this()](std::error_code ec, std::size_t n) {
                        self->receiving_ = false;
@@ -266,11 +284,79 @@ class lane final : public std::enable_shared_from_this<lane> {
                      });
   }
 
-  // Write acknowledgements read together are reported together.
+  // Write acknowledgements and READs received together are reported
+  // together.
   void flush_done() {
     if (done_.empty()) return;
     host_.slices_done(done_);
     done_.clear();
+  }
+
+  // A READ payload (or its first part) that came in the lane's buffer,
+  // waiting to be copied into place.
+  struct placed_read {
+    slice_ref slice;
+    const std::byte* from = nullptr;
+    std::size_t length = 0;
+    bool whole = true;           // the whole payload (else its first part)
+    std::uint32_t checksum = 0;  // the response's, when the slice asked
+  };
+
+  // Copies the payloads of copies_ into place, as few system calls as the
+  // kernel allows, and reports the whole ones (into done_). A destination
+  // the kernel cannot write fails that READ alone (local_memory_fault).
+  // Returns false when the first part of a payload failed to copy (the
+  // caller's slice at the front of the in-flight list).
+  bool place_reads() {
+    bool ok = true;
+    std::size_t i = 0;
+    while (i < copies_.size()) {
+      std::array<iovec, 64> from{};
+      std::array<iovec, 64> to{};
+      std::size_t n = 0;
+      for (; n < from.size() && i + n < copies_.size(); ++n) {
+        const auto& c = copies_[i + n];
+        from[n] = iovec{const_cast<std::byte*>(c.from), c.length};
+        to[n] = iovec{c.slice.local, c.length};
+      }
+      std::size_t copied = 0;
+      const auto got = ::process_vm_writev(::getpid(), from.data(), n, to.data(), n, 0);
+      if (got < 0 && (errno == ENOSYS || errno == EPERM)) {
+        // Cross-memory attach is not allowed here (a seccomp filter): copy
+        // ourselves; every destination is registered memory of this process.
+        for (std::size_t k = 0; k < n; ++k)
+          std::memcpy(to[k].iov_base, from[k].iov_base, to[k].iov_len);
+        copied = n;
+      } else {
+        // Whole entries copied; the one the kernel stopped in failed.
+        std::size_t bytes = got > 0 ? static_cast<std::size_t>(got) : 0;
+        while (copied < n && bytes >= to[copied].iov_len) bytes -= to[copied++].iov_len;
+      }
+      for (std::size_t k = 0; k < copied; ++k) settle(copies_[i + k], true);
+      if (copied < n) {
+        ok = settle(copies_[i + copied], false) && ok;
+        ++copied;
+      }
+      i += copied;
+    }
+    copies_.clear();
+    return ok;
+  }
+
+  bool settle(const placed_read& c, bool copied) {
+    if (!c.whole) return copied;  // its rest is read next, or the lane breaks
+    if (!copied) {
+      detail::log("READ of {} bytes into {} failed: the local buffer is not accessible memory",
+                  c.slice.length, static_cast<const void*>(c.slice.local));
+      done_.push_back(slice_report{c.slice.op, 0, errc::local_memory_fault});
+      return true;
+    }
+    // With a checksum, a corrupted payload is never reported as read (its
+    // bytes are in place, though). Checked on the bytes received.
+    const bool bad = c.slice.checksum && crc32c(c.from, c.length) != c.checksum;
+    done_.push_back(bad ? slice_report{c.slice.op, 0, errc::checksum_mismatch}
+                        : slice_report{c.slice.op, c.slice.length, {}});
+    return true;
   }
 
   void on_headers(std::error_code ec, std::size_t n) {
@@ -284,17 +370,21 @@ class lane final : public std::enable_shared_from_this<lane> {
       ~flush_at_exit() { l->flush_done(); }
     } flush{this};  // before any other report (fail() reports the rest after them)
     have_ += n;
-    std::byte* base = recv_buf_.data()->data();
+    std::byte* base = recv_buf_.data();
     std::size_t pos = 0;
+    // Fails the lane after placing and reporting what was read before.
+    const auto broken = [this](std::error_code why) {
+      (void)place_reads();
+      fail(why);
+    };
     while (have_ - pos >= frame_header_size) {
       frame_header h;
       if (auto dec = decode(base + pos, h)) {
-        fail(dec);
+        broken(dec);
         return;
       }
-      pos += frame_header_size;
       if (inflight_.empty() || h.tag != inflight_.front().tag) {
-        fail(errc::malformed_message);  // a response nobody asked for
+        broken(errc::malformed_message);  // a response nobody asked for
         return;
       }
       slice_ref s = inflight_.front();
@@ -305,50 +395,70 @@ class lane final : public std::enable_shared_from_this<lane> {
           (!status && s.kind == opcode::read && h.length != s.length) ||
           (!status && s.kind == opcode::read && s.checksum &&
            (h.flags & frame_flag_checksum) == 0)) {
-        fail(errc::malformed_message);
+        broken(errc::malformed_message);
         return;
       }
       if (s.kind == opcode::read && !status) {
-        // The payload follows: straight into the caller's memory. By
-        // construction this header was the last one read.
-        if (pos != have_) {
-          fail(errc::malformed_message);
+        const std::size_t len = static_cast<std::size_t>(s.length);
+        const std::size_t in_buf = have_ - pos - frame_header_size;
+        if (in_buf >= len) {  // the whole payload is here: copied with the others
+          pos += frame_header_size;
+          copies_.push_back(placed_read{s, base + pos, len, true, h.checksum});
+          pos += len;
+          inflight_.pop_front();
+          continue;
+        }
+        // The rest of the payload follows: what came is copied into place,
+        // the rest read straight into the caller's memory.
+        pos += frame_header_size;
+        if (in_buf > 0) copies_.push_back(placed_read{s, base + pos, in_buf, false, 0});
+        const bool head_ok = place_reads();
+        have_ = 0;
+        if (!head_ok) {
+          const auto culprit = s.tag;
+          local_fault(&culprit);
           return;
         }
-        have_ = 0;
+        // Reported once the rest arrived: the acknowledgements before it now.
+        flush_done();
+        if (in_buf > 0 && s.checksum) partial_crc_ = crc32c(base + pos, in_buf);
         receiving_ = true;
-        asio::async_read(
-            socket_, asio::buffer(s.local, static_cast<std::size_t>(s.length)),
-            [self = shared_from_this(), crc = h.checksum](std::error_code rec, std::size_t) {
-              self->receiving_ = false;
-              if (self->failed_) return;
-              if (is_bad_address(rec)) {
-                // The destination of the READ being received.
-                const auto culprit = self->inflight_.front().tag;
-                self->local_fault(&culprit);
-                return;
-              }
-              if (rec) {
-                self->fail(control::map_socket_error(rec));
-                return;
-              }
-              const auto done = self->inflight_.front();
-              self->inflight_.pop_front();
-              // With a checksum, a corrupted payload is never
-              // reported as read (its bytes are in place, though).
-              const bool bad =
-                  done.checksum && crc32c(done.local, static_cast<std::size_t>(done.length)) != crc;
-              self->host_.slice_done(
-                  done.op, bad ? 0 : done.length,
-                  bad ? std::error_code{errc::checksum_mismatch} : std::error_code{});
-              self->pump();
-              self->receive();
-            });
+        asio::async_read(socket_, asio::buffer(s.local + in_buf, len - in_buf),
+                         [self = shared_from_this(), crc = h.checksum, in_buf](std::error_code rec,
+                                                                               std::size_t) {
+                           self->receiving_ = false;
+                           if (self->failed_) return;
+                           if (is_bad_address(rec)) {
+                             // The destination of the READ being received.
+                             const auto culprit = self->inflight_.front().tag;
+                             self->local_fault(&culprit);
+                             return;
+                           }
+                           if (rec) {
+                             self->fail(control::map_socket_error(rec));
+                             return;
+                           }
+                           const auto done = self->inflight_.front();
+                           self->inflight_.pop_front();
+                           // With a checksum, a corrupted payload is never
+                           // reported as read (its bytes are in place, though).
+                           const bool bad = done.checksum &&
+                                            crc32c(done.local + in_buf,
+                                                   static_cast<std::size_t>(done.length) - in_buf,
+                                                   in_buf > 0 ? self->partial_crc_ : 0) != crc;
+                           self->host_.slice_done(
+                               done.op, bad ? 0 : done.length,
+                               bad ? std::error_code{errc::checksum_mismatch} : std::error_code{});
+                           self->pump();
+                           self->receive();
+                         });
         return;
       }
+      pos += frame_header_size;
       inflight_.pop_front();
       done_.push_back(slice_report{s.op, status ? 0 : s.length, status});
     }
+    (void)place_reads();
     if (pos > 0 && have_ > pos) std::memmove(base, base + pos, have_ - pos);
     have_ -= pos;
     pump();
@@ -365,9 +475,11 @@ class lane final : public std::enable_shared_from_this<lane> {
   std::deque<slice_ref> inflight_;         // sent, response pending, in send order
   std::vector<frame_bytes> send_headers_;  // headers of the write in progress
   std::vector<asio::const_buffer> send_bufs_;
-  std::vector<slice_report> done_;  // acknowledged, reported at the end of on_headers
-  std::array<frame_bytes, 64> recv_buf_{};
-  std::size_t have_ = 0;  // bytes of a partial header at the start of recv_buf_
+  std::vector<slice_report> done_;   // acknowledged or read, reported at the end of on_headers
+  std::vector<placed_read> copies_;  // READ payloads received, to copy into place
+  std::vector<std::byte> recv_buf_;  // responses received, recv_capacity bytes
+  std::size_t have_ = 0;             // bytes of a partial response at the start of recv_buf_
+  std::uint32_t partial_crc_ = 0;    // CRC32C of a payload's first part that came in recv_buf_
   std::uint64_t next_tag_ = 1;
   bool writing_ = false;
   bool receiving_ = false;

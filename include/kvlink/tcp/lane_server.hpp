@@ -164,7 +164,25 @@ class lane_server : public std::enable_shared_from_this<lane_server> {
     std::shared_ptr<staged> st;  // a frame on device memory: header and payload there
   };
 
+  // Serves the frames whose headers the read-ahead holds, in a loop on this
+  // call's stack (a frame served from the read-ahead calls read_header()
+  // again: that call only asks the loop for one more round), then starts a
+  // receive. The loop is bounded by the read-ahead's bytes: each round uses
+  // up a header at least.
   void read_header() {
+    if (serving_) {
+      again_ = true;
+      return;
+    }
+    serving_ = true;
+    do {
+      again_ = false;
+      next_frame();
+    } while (again_);
+    serving_ = false;
+  }
+
+  void next_frame() {
     if (closed_ || stalled_) return;
     if (out_.size() >= max_pending_responses) {
       paused_ = true;  // resumed by the writer
@@ -173,8 +191,7 @@ class lane_server : public std::enable_shared_from_this<lane_server> {
     if (ahead_end_ - ahead_pos_ >= frame_header_size) {
       std::memcpy(in_.data(), ahead_.data() + ahead_pos_, frame_header_size);
       ahead_pos_ += frame_header_size;
-      // As a completed read: never inside this call.
-      asio::post(get_executor(), [self = shared_from_this()] { self->on_header({}); });
+      on_header({});
       return;
     }
     // A partial header moves to the front; the receive appends to it.
@@ -202,7 +219,9 @@ class lane_server : public std::enable_shared_from_this<lane_server> {
 
   // Reads exactly n bytes of the stream into dst: first what the read-ahead
   // holds, the rest from the socket straight into dst. done(ec) runs on the
-  // strand, never inside this call.
+  // strand: inside this call when the read-ahead held all n bytes (a small
+  // frame's payload: no hop through the strand's queue per frame; every
+  // caller calls read_exact last), else when the receive completes.
   template <class Done>
   void read_exact(std::byte* dst, std::size_t n, Done done) {
     const std::size_t from = std::min(n, ahead_end_ - ahead_pos_);
@@ -211,7 +230,7 @@ class lane_server : public std::enable_shared_from_this<lane_server> {
       ahead_pos_ += from;
     }
     if (from == n) {
-      asio::post(get_executor(), [done = std::move(done)]() mutable { done(std::error_code{}); });
+      done(std::error_code{});
       return;
     }
     asio::async_read(
@@ -525,6 +544,8 @@ class lane_server : public std::enable_shared_from_this<lane_server> {
     // answer costs little next to their payload, and delaying it would delay
     // the initiator by a whole frame.
     if (!writing_ && out_.size() < max_deferred_responses && req.length <= max_deferred_payload) {
+      // The read-ahead holding the next header is enough (no ioctl).
+      if (ahead_end_ - ahead_pos_ >= frame_header_size) return;
       std::error_code ec;
       if (socket_.available(ec) >= frame_header_size && !ec) return;
     }
@@ -592,7 +613,9 @@ class lane_server : public std::enable_shared_from_this<lane_server> {
   std::vector<std::byte> ahead_;  // the read-ahead: [ahead_pos_, ahead_end_) not yet used
   std::size_t ahead_pos_ = 0;
   std::size_t ahead_end_ = 0;
-  bool small_ = true;  // the last frame was small: read ahead
+  bool small_ = true;     // the last frame was small: read ahead
+  bool serving_ = false;  // read_header()'s loop is on the stack
+  bool again_ = false;    // ... and is asked for one more round
   std::deque<response> out_;
   std::vector<asio::const_buffer> bufs_;
   std::size_t batch_ = 0;

@@ -1071,6 +1071,78 @@ TEST_CASE("a local buffer that is not accessible fails its transfer, not the pee
   ::munmap(map, 2 * half);
 }
 
+TEST_CASE("small READs are received in bulk: bytes, checksums, a bad destination fails alone") {
+  // 4 KiB READs (and a few of other sizes, a large one among them) come
+  // back many to a receive and are copied into place together; a
+  // destination the kernel cannot write fails its own transfer, not the
+  // others on the same lanes, and the stream goes on.
+  for (const bool checksums : {false, true}) {
+    CAPTURE(checksums);
+    auto cfg = test_config();
+    cfg.checksums = checksums;
+    constexpr std::size_t good_len = 2u << 20;
+    constexpr std::size_t page = 4096;
+    void* map = ::mmap(nullptr, good_len + 16 * page, PROT_READ | PROT_WRITE,
+                       MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+    REQUIRE(map != MAP_FAILED);
+    auto* good = static_cast<std::byte*>(map);
+    std::byte* bad = good + good_len;
+    pair_rig r{good_len, kvlink::access::remote_read_write, cfg, cfg};
+    r.initiator.register_segment(good, good_len + 16 * page);
+    fill(r.remote_mem, 201);
+    REQUIRE(::mprotect(bad, 16 * page, PROT_NONE) == 0);
+    // Scattered: remote offsets run backwards, so nothing coalesces.
+    std::vector<kvlink::transfer_request> many, mixed, broken;
+    constexpr std::size_t pieces = 256;
+    for (std::size_t i = 0; i < pieces; ++i) {
+      many.push_back(
+          {opcode::read, good + i * page, r.peer.segment(0), (pieces - 1 - i) * page, page});
+    }
+    // Sizes around the bulk receive's limits: tiny, 16 KiB (the largest
+    // taken in bulk), 16 KiB + 1 and 256 KiB (read straight into place).
+    const std::size_t sizes[] = {1, 100, page, 16384, 16385, 256u << 10, page, 7};
+    std::size_t at = pieces * page;
+    std::uint64_t from = good_len;
+    for (const auto n : sizes) {
+      from -= n + 64;  // backwards, with gaps
+      mixed.push_back({opcode::read, good + at, r.peer.segment(0), from, n});
+      at += n;
+    }
+    REQUIRE(at <= good_len);
+    for (std::size_t i = 0; i < 8; ++i) {
+      broken.push_back({opcode::read, bad + i * page, r.peer.segment(0), i * 2 * page, page});
+    }
+    std::optional<run_outcome> many_out, mixed_out, broken_out;
+    r.initiator.async_submit_transfer(many, [&](std::error_code ec, kvlink::transfer_result res) {
+      many_out = run_outcome{ec, res};
+    });
+    r.initiator.async_submit_transfer(broken, [&](std::error_code ec, kvlink::transfer_result res) {
+      broken_out = run_outcome{ec, res};
+    });
+    r.initiator.async_submit_transfer(mixed, [&](std::error_code ec, kvlink::transfer_result res) {
+      mixed_out = run_outcome{ec, res};
+    });
+    REQUIRE(run_until(r.io, [&] { return many_out && mixed_out && broken_out; }));
+    CHECK(broken_out->ec == kvlink::errc::local_memory_fault);
+    REQUIRE_MESSAGE(!many_out->ec, many_out->ec.message());
+    REQUIRE_MESSAGE(!mixed_out->ec, mixed_out->ec.message());
+    for (const auto* list : {&many, &mixed}) {
+      for (const auto& q : *list) {
+        CHECK(std::memcmp(q.local, r.remote_mem.data() + q.remote_offset, q.length) == 0);
+      }
+    }
+    CHECK(r.peer.connected());
+    // The lanes carry on: the same READs again, into zeroed memory.
+    std::memset(good, 0, good_len);
+    auto again = r.run(many);
+    REQUIRE_MESSAGE(!again.ec, again.ec.message());
+    for (const auto& q : many) {
+      CHECK(std::memcmp(q.local, r.remote_mem.data() + q.remote_offset, q.length) == 0);
+    }
+    ::munmap(map, good_len + 16 * page);
+  }
+}
+
 TEST_CASE("a wildcard listen address is never advertised; config.advertise is") {
   asio::io_context io;
   auto cfg = test_config();
