@@ -20,7 +20,8 @@ form with its keywords, and the dict form), MooncakeConfig (a
 MOONCAKE_CONFIG_PATH or SGLANG_HICACHE_MOONCAKE_CONFIG_PATH file, or
 MOONCAKE_* variables), close, get_hostname,
 health_check, put, get, get_size, put_batch, get_batch, put_parts,
-put_from, get_into, batch_put_from, batch_get_into,
+put_from, get_into, batch_put_from, batch_get_into, get_into_ranges (ranged
+reads, copied out of one read of each object),
 batch_put_from_multi_buffers, batch_get_into_multi_buffers (each piece
 moved straight to or from its place in the object), get_buffer and
 batch_get_buffer (BufferHandle: the bytes copied
@@ -51,6 +52,7 @@ import json
 import logging
 import mmap
 import os
+import random
 import re
 import socket
 import threading
@@ -68,6 +70,15 @@ INVALID_PARAMS = -600
 OBJECT_NOT_FOUND = -704
 OBJECT_ALREADY_EXISTS = -705
 INTERNAL_ERROR = -1
+
+_PORTS = range(12300, 14301)  # where Mooncake's engine picks its port
+_RNG = random.SystemRandom()
+
+
+def _in_use(e: BaseException) -> bool:
+    """Whether a StoreClient could not listen because the port is taken."""
+    return getattr(e, "errc", None) == "EADDRINUSE" or "already in use" in str(e)
+
 
 _UNITS = {"": 1, "b": 1, "k": 1 << 10, "kb": 1 << 10, "kib": 1 << 10, "m": 1 << 20,
           "mb": 1 << 20, "mib": 1 << 20, "g": 1 << 30, "gb": 1 << 30, "gib": 1 << 30,
@@ -389,6 +400,7 @@ class MooncakeDistributedStore:
         self._buffers: Dict[int, Tuple[int, int]] = {}
         self._ranges: List[Tuple[int, int]] = []
         self._guess = 1 << 20  # batch_get_buffer's first capacity per key
+        self._hostname = ""  # setup's local_hostname, without a port
 
     # -- life
     def setup(self, local_hostname: Any, metadata_server: Optional[str] = None,
@@ -470,25 +482,37 @@ class MooncakeDistributedStore:
         if protocol not in ("tcp", "rdma"):
             log.error("setup: protocol %r: kvlink offers tcp and rdma", protocol)
             return INTERNAL_ERROR
-        host = str(local_hostname)  # its port, where it has one; any otherwise
+        host = str(local_hostname)  # its port, where it has one
         if not host:
             log.error("setup: local_hostname is empty")
             return INTERNAL_ERROR
         if host.count(":") > 1 and not host.startswith("["):
-            host = f"[{host}]:0"  # a bare IPv6 address
-        elif not re.search(r":\d+$", host):
-            host = f"{host}:0"
+            host = f"[{host}]"  # a bare IPv6 address
+        given_port = re.search(r":\d+$", host) is not None
+        name = host[:host.rfind(":")] if given_port else host
+        # Without a port, one of Mooncake's (12300..14300, where operators
+        # open their firewalls for it), a few tries, then any.
+        ports = [None] if given_port else _RNG.sample(_PORTS, 8) + [0]
+        store = None
+        for port in ports:
+            listen = host if port is None else f"{name}:{port}"
+            try:
+                store = StoreClient(master_server_addr, listen=listen)
+                break
+            except (Error, TypeError, ValueError) as e:
+                if port is None or port == 0 or not _in_use(e):
+                    log.error("setup: %s", e)
+                    return INTERNAL_ERROR
         try:
-            store = StoreClient(master_server_addr, listen=host)
             store.connect()
             if segment > 0:
                 store.mount(segment)
         except (Error, TypeError, ValueError) as e:
             log.error("setup: %s", e)
-            if "store" in locals():
-                store.close()
+            store.close()
             return INTERNAL_ERROR
         self._store = store
+        self._hostname = name
         return 0
 
     def setup_dummy(self, mem_pool_size: Any, local_buffer_size: Any, server_address: str) -> int:
@@ -539,7 +563,14 @@ class MooncakeDistributedStore:
         return 0
 
     def get_hostname(self) -> str:
-        return self._s().local_address if self._store is not None else ""
+        """local_hostname as setup was given it, with the port the engine
+        listens on ("localhost:12345"), as Mooncake gives it; "" before
+        setup."""
+        if self._store is None:
+            return ""
+        address = self._store.local_address
+        port = address[address.rfind(":") + 1:]
+        return f"{self._hostname}:{port}" if self._hostname else address
 
     def health_check(self) -> int:
         """0 when the master answers (and, after setup_dummy, the holder
@@ -706,6 +737,68 @@ class MooncakeDistributedStore:
         except Exception as e:  # noqa: BLE001
             return [_code(e, "batch_get_into")] * len(keys)
         return [INVALID_PARAMS if g == -10 else g for g in got]
+
+    def get_into_ranges(self, buffer_ptrs: List[int], all_keys: List[List[str]],
+                        all_dst_offsets: List[List[List[int]]],
+                        all_src_offsets: List[List[List[int]]],
+                        all_sizes: List[List[List[int]]]) -> List[List[List[int]]]:
+        """Mooncake's ranged reads: for buffer b, its keys' ranges r: the
+        all_sizes[b][k][r] bytes at all_src_offsets[b][k][r] of object
+        all_keys[b][k] are copied to buffer_ptrs[b] + all_dst_offsets[b][k][r].
+        Per buffer, per key, per range: the bytes copied or a code (-704
+        the object is missing; -600 a range outside the object, outside
+        the memory given to register_buffer, or negative); a key whose
+        three lists differ in length gets [-600]; a key with no ranges [].
+        Outer lists of different lengths: [] and the reason logged. Each
+        object is read once (into memory of the call) and copied out."""
+        try:
+            buffers = [int(p) for p in buffer_ptrs]
+            groups = list(zip(all_keys, all_dst_offsets, all_src_offsets, all_sizes,
+                              strict=True))
+            if len(groups) != len(buffers):
+                raise ValueError("buffer_ptrs and the key lists differ in length")
+            plans = []
+            for keys, dsts, srcs, sizes in groups:
+                plans.append([(str(k), d, s, n) for k, d, s, n in
+                              zip(keys, dsts, srcs, sizes, strict=True)])
+        except (TypeError, ValueError) as e:
+            log.error("get_into_ranges: %s", e)
+            return []
+        wanted = sorted({k for plan in plans for k, _, _, _ in plan})
+        objects = dict(zip(wanted, self.batch_get_buffer(wanted))) if wanted else {}
+        with self._lock:
+            ranges = list(self._ranges)
+        out: List[List[List[int]]] = []
+        for base, plan in zip(buffers, plans):
+            per_key: List[List[int]] = []
+            for key, dsts, srcs, sizes in plan:
+                try:
+                    triples = [(int(d), int(s), int(n)) for d, s, n in
+                               zip(dsts, srcs, sizes, strict=True)]
+                except (TypeError, ValueError):
+                    log.warning("get_into_ranges '%s': its range lists differ", key)
+                    per_key.append([INVALID_PARAMS])
+                    continue
+                obj = objects.get(key)
+                if obj is None:
+                    per_key.append([OBJECT_NOT_FOUND] * len(triples))
+                    continue
+                results = []
+                for dst, src, n in triples:
+                    at = base + dst
+                    if dst < 0 or src < 0 or n < 0 or src + n > len(obj) or not any(
+                            lo <= at and at + n <= hi for lo, hi in ranges):
+                        log.warning("get_into_ranges '%s': %d bytes from %d to %#x+%d: "
+                                    "outside the object (%d bytes) or registered memory",
+                                    key, n, src, base, dst, len(obj))
+                        results.append(INVALID_PARAMS)
+                        continue
+                    if n > 0:
+                        ctypes.memmove(at, obj.ptr() + src, n)
+                    results.append(n)
+                per_key.append(results)
+            out.append(per_key)
+        return out
 
     # -- memory
     def register_buffer(self, buffer_ptr: int, size: int) -> int:

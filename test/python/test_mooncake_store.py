@@ -270,3 +270,69 @@ def test_get_buffer_and_batch_get_buffer(store, peer):
     assert store.get_buffer("buf/missing") is None
     assert store.batch_get_buffer([]) == []
     assert MooncakeDistributedStore().batch_get_buffer(["buf/small"]) == [None]
+
+
+def test_get_hostname_is_the_given_name_with_the_engines_port(master):
+    s = MooncakeDistributedStore()
+    assert s.get_hostname() == ""
+    assert s.setup("localhost", "P2PHANDSHAKE", 0, 0, "tcp", "", master) == 0
+    try:
+        host, port = s.get_hostname().rsplit(":", 1)
+        assert host == "localhost"            # as given, not resolved
+        assert 12300 <= int(port) <= 14300    # none given: one of Mooncake's
+        assert s._store.local_address.endswith(f":{port}")  # where the engine listens
+    finally:
+        assert s.close() == 0
+    # A port given is the one used, and named.
+    import socket
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        free = probe.getsockname()[1]
+    t = MooncakeDistributedStore()
+    assert t.setup(f"127.0.0.1:{free}", "P2PHANDSHAKE", 0, 0, "tcp", "", master) == 0
+    try:
+        assert t.get_hostname() == f"127.0.0.1:{free}"
+    finally:
+        assert t.close() == 0
+
+
+def test_get_into_ranges(store, peer):
+    a, b = blob(5000, 31), blob(300, 32)
+    assert store.put("rng/a", a) == 0
+    assert peer.call("put", key="rng/b", hex=b.hex()) == {"rc": 0}
+    arena = np.full(1 << 14, 0x5F, np.uint8)
+    base = arena.ctypes.data
+    assert store.register_buffer(base, 8192) == 0  # the second half is not registered
+    two = base + 4096
+    got = store.get_into_ranges(
+        [base, two],
+        [["rng/a", "rng/b"], ["rng/b", "rng/a", "rng/missing"]],
+        [[[0, 1100], [1200]], [[0], [64, 1000], [0]]],
+        [[[4000, 0], [299]], [[10], [4999, 17], [0]]],
+        [[[1000, 50], [1]], [[20], [1, 3000], [8]]])
+    assert got == [[[1000, 50], [1]], [[20], [1, 3000], [-704]]]
+    assert arena[0:1000].tobytes() == a[4000:5000]
+    assert arena[1100:1150].tobytes() == a[0:50]
+    assert arena[1200:1201].tobytes() == b[299:300]
+    assert arena[4096:4116].tobytes() == b[10:30]
+    assert arena[4096 + 64:4096 + 65].tobytes() == a[4999:5000]
+    assert arena[4096 + 1000:4096 + 4000].tobytes() == a[17:3017]
+    assert arena[1000:1100].tobytes() == b"\x5f" * 100  # nothing between the ranges
+    # Past the object, past registered memory, negative, lists of different
+    # lengths, no ranges: a code per range (or per key); the rest land.
+    arena[:] = 0x5F
+    got = store.get_into_ranges(
+        [base], [["rng/a", "rng/b", "rng/a", "rng/b", "rng/a"]],
+        [[[0, 8190, 10], [2000], [-1], [0, 1], []]],
+        [[[4990, 0, 0], [0], [0], [0], []]],
+        [[[11, 4, 5], [300], [1], [1], []]])
+    assert got == [[[-600, -600, 5], [300], [-600], [-600], []]]
+    assert arena[10:15].tobytes() == a[0:5]
+    assert arena[2000:2300].tobytes() == b
+    assert arena[0:10].tobytes() == b"\x5f" * 10
+    assert arena[8190:].tobytes() == b"\x5f" * (len(arena) - 8190)  # never past registered memory
+    # Outer lists of different lengths: nothing, and the reason logged.
+    assert store.get_into_ranges([base, two], [["rng/a"]], [[[0]]], [[[0]]], [[[1]]]) == []
+    assert store.get_into_ranges([], [], [], [], []) == []
+    assert store.unregister_buffer(base) == 0
+    assert store.get_into_ranges([base], [["rng/a"]], [[[0]]], [[[0]]], [[[1]]]) == [[[-600]]]
