@@ -16,6 +16,7 @@
 #include <cstdlib>
 #include <filesystem>
 #include <fstream>
+#include <iterator>
 #include <memory>
 #include <optional>
 #include <random>
@@ -266,13 +267,31 @@ class etcd_cluster {
       : dir_(dir), o_(std::move(o)), tls_(o_.client_tls) {
     std::random_device rd;
     token_ = "kvlink-test-" + std::to_string(rd());
-    for (int i = 0; i < o_.members; ++i) {
-      client_.push_back(free_port());
-      peer_.push_back(free_port());
-    }
     procs_.resize(static_cast<std::size_t>(o_.members));
-    for (int i = 0; i < o_.members; ++i) start(i);
-    wait_ready();
+    // The ports are free when picked, not reserved: another process of a
+    // busy machine may take one before etcd binds it (a member then never
+    // joins). A start that does not become ready is tried again from
+    // scratch with new ports, twice at most; the error carries the logs.
+    for (int attempt = 1;; ++attempt) {
+      client_.clear();
+      peer_.clear();
+      for (int i = 0; i < o_.members; ++i) {
+        client_.push_back(free_port());
+        peer_.push_back(free_port());
+      }
+      for (int i = 0; i < o_.members; ++i) start(i);
+      try {
+        wait_ready();
+        return;
+      } catch (const std::runtime_error& e) {
+        const std::string logs = log_tails();
+        for (auto& p : procs_) p.reset();
+        if (attempt == 3) throw std::runtime_error(std::string(e.what()) + logs);
+        std::error_code ignored;
+        for (int i = 0; i < o_.members; ++i) std::filesystem::remove_all(data_dir(i), ignored);
+        token_ += "-again";
+      }
+    }
   }
 
   /// "etcd://127.0.0.1:p1,127.0.0.1:p2,..."
@@ -319,6 +338,18 @@ class etcd_cluster {
         std::this_thread::sleep_for(100ms);
       }
     }
+  }
+
+  /// The last lines of each member's log, for an error message.
+  std::string log_tails() const {
+    std::string out;
+    for (int i = 0; i < o_.members; ++i) {
+      std::ifstream in(dir_ + "/etcd-" + std::to_string(i) + ".log", std::ios::binary);
+      std::string text((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+      if (text.size() > 1500) text.erase(0, text.size() - 1500);
+      out += "\n--- etcd-" + std::to_string(i) + ".log (end) ---\n" + text;
+    }
+    return out;
   }
 
   /// The index of the leader (-1 if none answers).
