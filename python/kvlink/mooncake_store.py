@@ -768,6 +768,7 @@ class MooncakeDistributedStore:
         objects = dict(zip(wanted, self.batch_get_buffer(wanted))) if wanted else {}
         with self._lock:
             ranges = list(self._ranges)
+        starts = [r[0] for r in ranges]
         out: List[List[List[int]]] = []
         for base, plan in zip(buffers, plans):
             per_key: List[List[int]] = []
@@ -786,8 +787,8 @@ class MooncakeDistributedStore:
                 results = []
                 for dst, src, n in triples:
                     at = base + dst
-                    if dst < 0 or src < 0 or n < 0 or src + n > len(obj) or not any(
-                            lo <= at and at + n <= hi for lo, hi in ranges):
+                    if dst < 0 or src < 0 or n < 0 or src + n > len(obj) or \
+                            self._pieces(ranges, starts, [at], [n]) is None:
                         log.warning("get_into_ranges '%s': %d bytes from %d to %#x+%d: "
                                     "outside the object (%d bytes) or registered memory",
                                     key, n, src, base, dst, len(obj))

@@ -421,11 +421,12 @@ class lane final : public std::enable_shared_from_this<lane> {
         }
         // Reported once the rest arrived: the acknowledgements before it now.
         flush_done();
-        if (in_buf > 0 && s.checksum) partial_crc_ = crc32c(base + pos, in_buf);
+        // The checksum of the part that came, continued over the rest.
+        const std::uint32_t head_crc = s.checksum ? crc32c(base + pos, in_buf) : 0;
         receiving_ = true;
         asio::async_read(socket_, asio::buffer(s.local + in_buf, len - in_buf),
-                         [self = shared_from_this(), crc = h.checksum, in_buf](std::error_code rec,
-                                                                               std::size_t) {
+                         [self = shared_from_this(), crc = h.checksum, in_buf, head_crc](
+                             std::error_code rec, std::size_t) {
                            self->receiving_ = false;
                            if (self->failed_) return;
                            if (is_bad_address(rec)) {
@@ -445,7 +446,7 @@ class lane final : public std::enable_shared_from_this<lane> {
                            const bool bad = done.checksum &&
                                             crc32c(done.local + in_buf,
                                                    static_cast<std::size_t>(done.length) - in_buf,
-                                                   in_buf > 0 ? self->partial_crc_ : 0) != crc;
+                                                   head_crc) != crc;
                            self->host_.slice_done(
                                done.op, bad ? 0 : done.length,
                                bad ? std::error_code{errc::checksum_mismatch} : std::error_code{});
@@ -479,7 +480,6 @@ class lane final : public std::enable_shared_from_this<lane> {
   std::vector<placed_read> copies_;  // READ payloads received, to copy into place
   std::vector<std::byte> recv_buf_;  // responses received, recv_capacity bytes
   std::size_t have_ = 0;             // bytes of a partial response at the start of recv_buf_
-  std::uint32_t partial_crc_ = 0;    // CRC32C of a payload's first part that came in recv_buf_
   std::uint64_t next_tag_ = 1;
   bool writing_ = false;
   bool receiving_ = false;
