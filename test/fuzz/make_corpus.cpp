@@ -17,6 +17,7 @@
 #include <kvlink/core/instance.hpp>
 #include <kvlink/core/types.hpp>
 #include <kvlink/store/wire/protocol.hpp>
+#include <kvlink/store/wire/record.hpp>
 #include <kvlink/tcp/frame.hpp>
 #include <kvlink/version.hpp>
 
@@ -394,7 +395,7 @@ void store_wire() {
   };
   using mt = wire::message_type;
   std::string p = store_step(0, mt::mount, [](wire::writer& w) {
-    wire::mount_request{"seg1", 1 << 16, 3}.encode(w);
+    wire::mount_request{"seg1", 1 << 16, 3, {{"k", 0, 100}}}.encode(w);
   });
   p += store_step(0, mt::put_start, puts);
   p += store_step(0, mt::put_end, keys({"a", "b", "zz"}, false, false));
@@ -418,6 +419,23 @@ void store_wire() {
   bad += store_step(0, static_cast<mt>(99), [](wire::writer&) {});
   bad += store_step(0, static_cast<mt>(0x8001), [](wire::writer&) {});
   put("store_wire", "malformed_and_unknown", bad);
+
+  // A segment's memory with two objects and their records (one intact, one
+  // whose bytes were written over), for the record scan.
+  {
+    std::string seg(1024, '\0');
+    auto* base = reinterpret_cast<std::byte*>(seg.data());
+    const auto object = [&](std::uint64_t at, std::string_view key, std::uint64_t size) {
+      for (std::uint64_t i = 0; i < size; ++i) seg[at + i] = static_cast<char>('a' + i % 26);
+      const auto crc = kvlink::crc32c(base + at, size);
+      wire::encode_record(key, size, crc,
+                          {base + at + wire::record_offset(size), wire::record_size(key.size())});
+    };
+    object(0, "intact", 100);
+    object(320, "torn", 200);
+    seg[330] = 'X';
+    put("store_wire", "segment_records", seg);
+  }
 
   wire::writer frame(mt::exists, 7, false);
   keys({"key1", "key2"}, false, false)(frame);

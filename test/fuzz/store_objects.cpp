@@ -2,8 +2,9 @@
 // (include/kvlink/store/master/objects.hpp, eviction.hpp) with programs of
 // operations: mount and unmount of up to 4 segments, put_start (16 keys,
 // sizes, 1-3 replicas, chain parents, pins), put_end, put_revoke, get,
-// exists, remove (forced or not), remove_all, reclaim, eviction, and the
-// clock moving on. Each operation is 4 bytes.
+// exists, remove (forced or not), remove_all, reclaim, eviction, adopt (an
+// object a segment's owner announces after a master restart, anywhere in
+// the segment), and the clock moving on. Each operation is 4 bytes.
 //
 // Asserts after every operation, besides "no crash, no hang, no exception":
 // - stats agree with what lookups see: objects = keys found (complete or in
@@ -74,10 +75,13 @@ void check(st::object_table& t) {
       KVLINK_FUZZ_CHECK(r.length == info.size && r.status == st::replica_status::complete);
       const auto cap = capacity.find(r.segment.value());
       KVLINK_FUZZ_CHECK(cap != capacity.end());
-      KVLINK_FUZZ_CHECK(r.offset + t.segments().rounded(r.length) <= cap->second);
+      // Its bytes and its record (store/wire/record.hpp).
+      const std::uint64_t taken =
+          t.segments().rounded(st::wire::object_footprint(r.length, k.size()));
+      KVLINK_FUZZ_CHECK(r.offset + taken <= cap->second);
       for (std::size_t j = 0; j < i; ++j) KVLINK_FUZZ_CHECK(info.replicas[j].segment != r.segment);
-      const auto [it, fresh] = ranges.emplace(std::pair{r.segment.value(), r.offset},
-                                              r.offset + t.segments().rounded(r.length));
+      const auto [it, fresh] =
+          ranges.emplace(std::pair{r.segment.value(), r.offset}, r.offset + taken);
       KVLINK_FUZZ_CHECK(fresh);
       if (it != ranges.begin()) {
         const auto prev = std::prev(it);
@@ -108,7 +112,7 @@ extern "C" int LLVMFuzzerTestOneInput(const std::uint8_t* data, std::size_t size
   std::int64_t now = 0;
   st::replica_list w;
   for (std::size_t i = 0; i + 4 <= size; i += 4) {
-    const std::uint8_t op = data[i] % 14;
+    const std::uint8_t op = data[i] % 15;
     const std::uint8_t a = data[i + 1];
     const std::uint8_t b = data[i + 2];
     const std::uint8_t c = data[i + 3];
@@ -191,6 +195,15 @@ extern "C" int LLVMFuzzerTestOneInput(const std::uint8_t* data, std::size_t size
       case 13:
         (void)t.evict_from_shard(a, at(now), 1 + b % 8, c, (b & 0x80) != 0);
         break;
+      case 14: {  // adopt: taken back whole, or refused with a reason
+        const auto ec = t.adopt(segs[b % 4], key, std::uint64_t{c} * 64, 1 + std::uint64_t{a} * 53);
+        KVLINK_FUZZ_CHECK(!ec || ec == store_errc::object_already_exists ||
+                          ec == store_errc::invalid_params || ec == store_errc::segment_not_found);
+        st::object_info info;
+        if (!ec)
+          KVLINK_FUZZ_CHECK(!t.describe(key, info) && info.size == 1 + std::uint64_t{a} * 53);
+        break;
+      }
     }
     check(t);
   }

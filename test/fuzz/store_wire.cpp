@@ -4,7 +4,8 @@
 //
 // 1. The whole input through decode_header and every message decoder: no
 //    crash, no read past the input; what decodes encodes back to the same
-//    bytes (the formats have one encoding).
+//    bytes (the formats have one encoding). The input as a segment's memory
+//    scanned for object records (store/wire/record.hpp).
 // 2. The input as a program of frames, [u8 who/clock][u16 type][u16 length]
 //    [body], each handled for one of two clients against one object table
 //    (one segment of client A mounted first): every reply is a well-formed
@@ -21,6 +22,7 @@
 #include <kvlink/store/master/server.hpp>
 #include <kvlink/store/master/service.hpp>
 #include <kvlink/store/wire/protocol.hpp>
+#include <kvlink/store/wire/record.hpp>
 
 #include <cstddef>
 #include <cstdint>
@@ -47,6 +49,40 @@ void round_trip(std::string_view in, Args... args) {
   KVLINK_FUZZ_CHECK(body_bytes(w) == in);
 }
 
+// The input as a segment's memory: decode_record reads only what it is
+// given, and scan_records finds only records whose bytes check out, within
+// the memory, in offset order, then (wiping) finds nothing new again.
+void records(std::string_view in) {
+  std::string mem(in);
+  auto* base = reinterpret_cast<std::byte*>(mem.data());
+  wire::object_record rec;
+  if (wire::decode_record({base, mem.size()}, 64, rec)) {
+    KVLINK_FUZZ_CHECK(rec.key.size() <= 64 && rec.size != 0);
+    std::string again(wire::record_size(rec.key.size()), '\0');
+    KVLINK_FUZZ_CHECK(wire::encode_record(rec.key, rec.size, rec.body_crc,
+                                          {reinterpret_cast<std::byte*>(again.data()),
+                                           again.size()}) == again.size());
+  }
+  std::uint64_t last = 0;
+  std::size_t found = 0;
+  (void)wire::scan_records(base, mem.size(), 64, true, false, [&](const wire::found_object& f) {
+    KVLINK_FUZZ_CHECK(f.offset >= last && f.offset % wire::record_alignment == 0);
+    KVLINK_FUZZ_CHECK(f.size <= mem.size() - f.offset);
+    KVLINK_FUZZ_CHECK(wire::object_footprint(f.size, f.key.size()) -
+                          wire::record_size(f.key.size()) + wire::record_header_size +
+                          f.key.size() <=
+                      mem.size() - f.offset);
+    KVLINK_FUZZ_CHECK(kvlink::crc32c(base + f.offset, f.size) ==
+                      wire::detail::get_u32(base + f.offset + wire::record_offset(f.size) + 12));
+    last = f.offset + wire::record_offset(f.size);
+    ++found;
+  });
+  std::size_t again = 0;
+  (void)wire::scan_records(base, mem.size(), 64, true, false,
+                           [&](const wire::found_object&) { ++again; });
+  KVLINK_FUZZ_CHECK(again == found);
+}
+
 void decoders(std::string_view in) {
   if (in.size() >= wire::header_size) {
     wire::header_bytes hb{};
@@ -68,6 +104,7 @@ void decoders(std::string_view in) {
   round_trip<wire::mount_request>(in);
   round_trip<wire::segment_location>(in);
   round_trip<wire::stats_reply>(in);
+  records(in);
   wire::reader r(in);
   std::string_view text;
   (void)r.status(&text);
@@ -124,7 +161,16 @@ void check_reply(const std::string& reply, const wire::frame_header& req,
       KVLINK_FUZZ_CHECK(r.u8() <= 1);
       KVLINK_FUZZ_CHECK(!r.finish());
       break;
-    case wire::message_type::mount:
+    case wire::message_type::mount: {
+      (void)r.u64();
+      wire::code_list taken;  // one code per object announced with the mount
+      KVLINK_FUZZ_CHECK(!taken.decode(r));
+      wire::reader q(body);
+      wire::mount_request m;
+      KVLINK_FUZZ_CHECK(!m.decode(q));
+      KVLINK_FUZZ_CHECK(taken.codes.size() == m.objects.size());
+      break;
+    }
     case wire::message_type::remove_all:
       (void)r.u64();
       KVLINK_FUZZ_CHECK(!r.finish());

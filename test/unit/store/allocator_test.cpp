@@ -35,6 +35,29 @@ TEST_CASE("offset_allocator: rounding, alignment and capacity") {
   CHECK_FALSE(empty.allocate(1));
 }
 
+TEST_CASE("offset_allocator: reserve takes a given free range, refuses the others") {
+  offset_allocator a{64 * 10, 64};
+  CHECK_FALSE(a.reserve(64 * 3, 100));  // [3,5)
+  CHECK(a.used_bytes() == 128);
+  CHECK(a.free_ranges() == 2);
+  CHECK(a.reserve(64 * 4, 64) == store_errc::invalid_params);      // taken
+  CHECK(a.reserve(64 * 2, 128) == store_errc::invalid_params);     // overlaps it
+  CHECK(a.reserve(64 * 2 + 1, 10) == store_errc::invalid_params);  // not aligned
+  CHECK(a.reserve(64 * 9, 128) == store_errc::invalid_params);     // past the end
+  CHECK(a.reserve(64 * 10, 64) == store_errc::invalid_params);
+  CHECK(a.reserve(0, 0) == store_errc::invalid_params);
+  CHECK_FALSE(a.reserve(0, 64 * 3));   // [0,3): the whole left part
+  CHECK_FALSE(a.reserve(64 * 9, 64));  // the last unit
+  CHECK(a.used_bytes() == 64 * 6);
+  CHECK(a.largest_free() == 64 * 4);
+  auto x = a.allocate(64 * 4);
+  REQUIRE(x);
+  CHECK(*x == 64 * 5);
+  CHECK_FALSE(a.allocate(1));
+  CHECK_FALSE(a.free(64 * 3, 100));  // a reserved range frees like an allocated one
+  CHECK(a.free_bytes() == 128);
+}
+
 TEST_CASE("offset_allocator: best fit, coalescing, refuses bad frees") {
   offset_allocator a{64 * 10, 64};
   auto a0 = *a.allocate(64 * 2);  // [0,2)

@@ -23,6 +23,8 @@ namespace {
 using kvlink_test::at;
 
 constexpr std::uint64_t unit = 4096;  // one object
+// An object's bytes: with its record (store/wire/record.hpp) it takes one unit.
+constexpr std::uint64_t object_size = unit - 1024;
 
 // A pool of `units` objects of 4 KiB in one segment.
 std::unique_ptr<object_table> make_table(std::uint64_t units, master_config cfg = {}) {
@@ -35,7 +37,7 @@ std::unique_ptr<object_table> make_table(std::uint64_t units, master_config cfg 
 
 void put(object_table& t, const std::string& key, master_time now, const put_options& opt = {}) {
   replica_list w;
-  REQUIRE_FALSE(t.put_start(key, unit, 7, opt, now, w));
+  REQUIRE_FALSE(t.put_start(key, object_size, 7, opt, now, w));
   REQUIRE_FALSE(t.put_end(key, 7, now));
 }
 
@@ -79,7 +81,7 @@ TEST_CASE("evictor: leased, pinned and in-progress objects survive") {
   for (int i = 0; i < 20; ++i) put(t, key("hard", i), at(0), {.hard_pin = true});
   for (int i = 0; i < 20; ++i) put(t, key("soft", i), at(0), {.soft_pin = true});
   for (int i = 0; i < 20; ++i) {
-    REQUIRE_FALSE(t.put_start(key("writing", i), unit, 7, {}, at(0), w));
+    REQUIRE_FALSE(t.put_start(key("writing", i), object_size, 7, {}, at(0), w));
   }
   for (int i = 0; i < 15; ++i) put(t, key("plain", i), at(0));
   // 95 % full: 10 % to free, and only the 15 plain objects may go.
@@ -175,17 +177,17 @@ TEST_CASE("evictor: a full pool answers no_space at once") {
   }
   replica_list w;
   const auto t0 = std::chrono::steady_clock::now();
-  CHECK(t.put_start("new", unit, 7, {}, at(1), w) == store_errc::no_space);
+  CHECK(t.put_start("new", object_size, 7, {}, at(1), w) == store_errc::no_space);
   CHECK(kvlink::mooncake_code(store_errc::no_space) == -200);
   const auto r = ev.run_once(at(2));  // nothing may go: it returns at once
   CHECK(r.ran);
   CHECK(r.evicted == 0);
-  CHECK(t.put_start("new", unit, 7, {}, at(3), w) == store_errc::no_space);
+  CHECK(t.put_start("new", object_size, 7, {}, at(3), w) == store_errc::no_space);
   CHECK(std::chrono::steady_clock::now() - t0 < std::chrono::seconds{2});
   // The leases run out: the failed put asked for eviction, which now frees.
   const auto r2 = ev.run_once(at(10'000));
   CHECK(r2.evicted >= 1);
-  CHECK_FALSE(t.put_start("new", unit, 7, {}, at(10'001), w));
+  CHECK_FALSE(t.put_start("new", object_size, 7, {}, at(10'001), w));
 }
 
 TEST_CASE("evictor: recently read objects get a second chance") {
@@ -224,7 +226,7 @@ TEST_CASE("evictor: 8 threads of writers, readers, eviction and reclaim; nothing
       const std::string k = key("k", static_cast<int>(rng() % 2000));
       const auto now = at(clock.load());
       const std::string parent = rng() % 4 == 0 ? key("k", static_cast<int>(rng() % 2000)) : "";
-      const auto ec = t.put_start(k, unit * (1 + rng() % 2), me,
+      const auto ec = t.put_start(k, unit * (1 + rng() % 2) - 1024, me,
                                   {.replicas = 1, .parent = parent == k ? "" : parent}, now, w);
       if (!ec) {
         if (rng() % 8 == 0) {

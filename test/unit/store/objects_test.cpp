@@ -83,8 +83,11 @@ TEST_CASE("object_table: put_start checks its arguments") {
         store_errc::invalid_key);
   CHECK(t.stats().objects == 0);
   CHECK(t.stats().used == 0);
-  // The longest key and the largest object are fine.
-  CHECK_FALSE(t.put_start(std::string(4096, 'k'), 64 * kib, 7, {}, at(0), w));
+  // The longest key and the largest object (with its record) are fine.
+  const std::uint64_t largest = 64 * kib - wire::record_size(4096);
+  CHECK(t.put_start(std::string(4096, 'k'), largest + 1, 7, {}, at(0), w) ==
+        store_errc::invalid_params);
+  CHECK_FALSE(t.put_start(std::string(4096, 'k'), largest, 7, {}, at(0), w));
   CHECK(w.size() == 1);
   object_info info;
   CHECK(t.get("x", at(0), info) == store_errc::object_not_found);
@@ -100,7 +103,7 @@ TEST_CASE("object_table: first writer wins; a put is invisible until it ends") {
   CHECK(w[0].segment == s);
   CHECK(w[0].length == 1000);
   CHECK(w[0].status == replica_status::processing);
-  CHECK(t.stats().used == 1024);  // rounded to the 64-byte alignment
+  CHECK(t.stats().used == 1024 + 64);  // rounded to the 64-byte alignment, and its record
   CHECK(t.stats().in_progress == 1);
   replica_list w2;
   CHECK(t.put_start("k", 1000, 8, {}, at(10), w2) == store_errc::object_in_progress);
@@ -132,13 +135,13 @@ TEST_CASE("object_table: put_revoke frees the space at once") {
   object_table t;
   mount(t, 1, "s", 4 * kib);
   replica_list w;
-  REQUIRE_FALSE(t.put_start("a", 4 * kib, 7, {}, at(0), w));
+  REQUIRE_FALSE(t.put_start("a", 4 * kib - 64, 7, {}, at(0), w));  // with its record: 4 KiB
   CHECK(t.put_start("b", 1, 7, {}, at(0), w) == store_errc::no_space);
   REQUIRE_FALSE(t.put_revoke("a", 7, at(1)));
   CHECK(t.stats().used == 0);
   CHECK(t.stats().objects == 0);
   CHECK(t.put_revoke("a", 7, at(1)) == store_errc::object_not_found);
-  CHECK_FALSE(t.put_start("b", 4 * kib, 7, {}, at(2), w));
+  CHECK_FALSE(t.put_start("b", 4 * kib - 64, 7, {}, at(2), w));
 }
 
 TEST_CASE("object_table: leases hold off removal until they run out") {
@@ -219,8 +222,8 @@ TEST_CASE("object_table: remove and remove_all") {
   // A forced remove of a put in progress discards it: its space waits.
   CHECK_FALSE(t.remove("inprog", at(2), true));
   CHECK(t.stats().objects == 0);
-  CHECK(t.stats().used == 128);
-  CHECK(t.stats().reserved == 128);
+  CHECK(t.stats().used == 128 + 64);  // its record's too
+  CHECK(t.stats().reserved == 128 + 64);
   CHECK(t.put_end("inprog", 7, at(3)) == store_errc::object_not_found);
   CHECK(t.reclaim(at(599'999)).released == 0);
   CHECK(t.reclaim(at(600'000)).released == 1);
@@ -239,30 +242,31 @@ TEST_CASE("object_table: puts that never end are discarded at 30 s, released at 
   r = t.reclaim(at(30'000));
   CHECK(r.discarded == 1);  // a, not b
   CHECK(t.stats().objects == 1);
-  CHECK(t.stats().used == 2048);  // a's space is still reserved
+  const std::uint64_t each = wire::object_footprint(1000, 1);  // 1088: its record too
+  CHECK(t.stats().used == 2 * each);                           // a's space is still reserved
   CHECK(t.put_end("a", 7, at(30'001)) == store_errc::object_not_found);
   // The key is free again for anyone.
   CHECK_FALSE(t.put_start("a", 1000, 8, {}, at(30'002), w));
-  CHECK(t.stats().used == 3072);
+  CHECK(t.stats().used == 3 * each);
   // A second put of a key whose put went stale preempts it.
   CHECK(t.put_start("b", 1000, 8, {}, at(34'999), w) == store_errc::object_in_progress);
   REQUIRE_FALSE(t.put_start("b", 1000, 8, {}, at(35'000), w));
   CHECK(t.put_end("b", 7, at(35'001)) == store_errc::illegal_client);
   CHECK_FALSE(t.put_end("b", 8, at(35'001)));
-  CHECK(t.stats().reserved == 2048);
+  CHECK(t.stats().reserved == 2 * each);
   // a's first put released, b's first not yet; the new a (30.002 s) discarded.
   r = t.reclaim(at(600'000));
   CHECK(r.released == 1);
-  CHECK(r.released_bytes == 1024);
+  CHECK(r.released_bytes == each);
   CHECK(r.discarded == 1);
   r = t.reclaim(at(605'000));  // b's first released
   CHECK(r.released == 1);
   CHECK(r.discarded == 0);
-  CHECK(t.stats().reserved == 1024);
+  CHECK(t.stats().reserved == each);
   CHECK(t.reclaim(at(630'001)).released == 0);
   CHECK(t.reclaim(at(630'002)).released == 1);
   CHECK(t.stats().reserved == 0);
-  CHECK(t.stats().used == 1024);  // b
+  CHECK(t.stats().used == each);  // b
 }
 
 TEST_CASE("object_table: replicas go to distinct segments, preferred and same host first") {
@@ -332,7 +336,7 @@ TEST_CASE("object_table: random placement spreads, most_free fills the emptiest 
     // The big one until both have the same free bytes, then alternating.
     for (int i = 0; i < 48; ++i) {
       REQUIRE_FALSE(
-          t.put_start(std::string("k").append(std::to_string(i)), 4 * kib, 7, {}, at(0), w));
+          t.put_start(std::string("k").append(std::to_string(i)), 4 * kib - 64, 7, {}, at(0), w));
       CHECK(w[0].segment == big);
     }
     const auto st = t.segments().stats();
@@ -367,10 +371,64 @@ TEST_CASE("object_table: unmount drops its replicas; objects with none left disa
   CHECK(info.replicas[0].segment == b);
   CHECK(t.stats().objects == 1);
   CHECK(t.stats().capacity == 1u << 20);
-  CHECK(t.stats().used == 128);
+  CHECK(t.stats().used == 128 + 64);
   // The survivor is removed from b's allocator as usual.
   CHECK_FALSE(t.remove("both", at(20'000)));
   CHECK(t.stats().used == 0);
   CHECK(t.unmount_client(2) == 1);
   CHECK(t.stats().capacity == 0);
+}
+
+TEST_CASE("object_table: objects a segment's owner announces after a restart come back") {
+  object_table t;
+  segment_id a;
+  // Mounted closed: nothing is allocated in it before the objects are back.
+  REQUIRE_FALSE(t.mount_segment({1, "a", 1 << 20, ""}, a, false));
+  replica_list w;
+  CHECK(t.put_start("new", 100, 7, {}, at(0), w) == store_errc::no_space);
+  CHECK_FALSE(t.adopt(a, "k1", 0, 1000));
+  CHECK_FALSE(t.adopt(a, "k2", 4096, 4096));
+  // Ranges that are not free or not aligned, sizes and keys out of bounds.
+  CHECK(t.adopt(a, "k3", 512, 100) == store_errc::invalid_params);     // inside k1's
+  CHECK(t.adopt(a, "k3", 4100, 10) == store_errc::invalid_params);     // not aligned
+  CHECK(t.adopt(a, "k3", 1 << 20, 10) == store_errc::invalid_params);  // past the end
+  CHECK(t.adopt(a, "k3", 8192, 0) == store_errc::invalid_params);
+  CHECK(t.adopt(a, "", 8192, 10) == store_errc::invalid_key);
+  CHECK(t.adopt(segment_id{99}, "k3", 0, 10) == store_errc::segment_not_found);
+  t.segments().open(a);
+  object_info info;
+  REQUIRE_FALSE(t.get("k1", at(0), info));
+  CHECK(info.size == 1000);
+  REQUIRE(info.replicas.size() == 1);
+  CHECK(info.replicas[0].segment == a);
+  CHECK(info.replicas[0].offset == 0);
+  CHECK(t.stats().objects == 2);
+  CHECK(t.stats().used == wire::object_footprint(1000, 2) + wire::object_footprint(4096, 2));
+  // First writer wins: a put of an announced key is refused, and puts land
+  // around the announced ranges.
+  CHECK(t.put_start("k1", 10, 7, {}, at(0), w) == store_errc::object_already_exists);
+  REQUIRE_FALSE(t.put_start("new", 100, 7, {}, at(0), w));
+  CHECK((w[0].offset >= 4096 + wire::object_footprint(4096, 2) ||
+         w[0].offset + wire::object_footprint(100, 3) <= 4096));
+  CHECK(w[0].offset >= wire::object_footprint(1000, 2));
+
+  // The same object from a second owner: a second replica. Another size, or
+  // a key whose put is in progress: refused.
+  const segment_id b = mount(t, 2, "b", 1 << 20);
+  CHECK_FALSE(t.adopt(b, "k1", 8192, 1000));
+  REQUIRE_FALSE(t.get("k1", at(0), info));
+  REQUIRE(info.replicas.size() == 2);
+  CHECK(info.replicas[1].segment == b);
+  CHECK(info.replicas[1].offset == 8192);
+  CHECK(t.adopt(b, "k1", 16384, 1000) == store_errc::object_already_exists);  // same segment
+  CHECK(t.adopt(b, "k2", 16384, 999) == store_errc::object_already_exists);
+  CHECK(t.adopt(b, "new", 16384, 100) == store_errc::object_already_exists);
+  CHECK(t.stats().objects == 3);
+  // Removing it frees both replicas' ranges, records included.
+  const auto used = t.stats().used;
+  CHECK_FALSE(t.remove("k1", at(100'000)));
+  CHECK(t.stats().used == used - 2 * wire::object_footprint(1000, 2));
+  // The owner of a's segment gone: k2 goes with it.
+  CHECK_FALSE(t.unmount_segment(a));
+  CHECK(t.get("k2", at(0), info) == store_errc::object_not_found);
 }

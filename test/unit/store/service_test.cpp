@@ -89,7 +89,7 @@ TEST_CASE("master service: put_start takes replicas, pins and parents per key") 
   auto att = svc.attach_client(kvlink::make_instance_id(), "10.0.0.1:5", at(0));
   for (const char* name : {"s0", "s1"}) {
     const auto a = handle(svc, att.session, t_mount, body_of([&](wire::writer& w) {
-                            wire::mount_request{name, 1 << 20, 0}.encode(w);
+                            wire::mount_request{name, 1 << 20, 0, {}}.encode(w);
                           }));
     wire::reader r(a.body);
     REQUIRE(!r.status());
@@ -119,11 +119,52 @@ TEST_CASE("master service: put_start takes replicas, pins and parents per key") 
   CHECK(t.remove("parent", at(1'000'000)) == store_errc::object_hard_pinned);
 }
 
+TEST_CASE("master service: a mount with objects takes them back; eviction waits for the rebuild") {
+  store::master_config cfg;
+  cfg.eviction_high_watermark = 50;
+  store::server_options opt;
+  opt.rebuild_grace = 5s;
+  store::master_service svc{cfg, opt};
+  auto att = svc.attach_client(kvlink::make_instance_id(), "10.0.0.1:5", at(0));
+  // A segment of 64 KiB whose owner found three objects (48 KiB) and one
+  // that overlaps another: the first three come back, the fourth does not.
+  const auto a = handle(
+      svc, att.session, t_mount, body_of([](wire::writer& w) {
+        wire::mount_request{
+            "s",
+            64 << 10,
+            0,
+            {{"k1", 0, 16000}, {"k2", 16384, 16000}, {"k3", 32768, 16000}, {"k4", 8192, 100}}}
+            .encode(w);
+      }),
+      1000);
+  wire::reader r(a.body);
+  REQUIRE(!r.status());
+  (void)r.u64();
+  wire::code_list taken;
+  REQUIRE(!taken.decode(r));
+  CHECK(taken.codes == std::vector<std::uint32_t>{
+                           0, 0, 0, static_cast<std::uint32_t>(store_errc::invalid_params)});
+  store::object_table& t = svc.objects();
+  store::object_info info;
+  REQUIRE(!t.get("k2", at(1000), info));
+  CHECK(info.size == 16000);
+  CHECK(info.replicas[0].offset == 16384);
+  CHECK(t.get("k4", at(1000), info) == store_errc::object_not_found);
+  // Above the watermark (75 %), but the pool is being rebuilt: nothing goes
+  // until rebuild_grace after that mount.
+  CHECK_FALSE(svc.evict(at(1000 + 4999)).ran);
+  CHECK(t.stats().objects == 3);
+  CHECK(svc.evict(at(1000 + 5000 + 20'000)).ran);  // past the reads' leases too
+  for (int i = 0; i < 8 && t.stats().objects == 3; ++i) (void)svc.evict(at(26'000 + i));
+  CHECK(t.stats().objects < 3);
+}
+
 TEST_CASE("master service: a client without an address mounts nothing") {
   store::master_service svc{{}, {}};
   auto att = svc.attach_client(kvlink::make_instance_id(), "", at(0));
   const auto a = handle(svc, att.session, t_mount, body_of([](wire::writer& w) {
-                          wire::mount_request{"s", 1 << 20, 0}.encode(w);
+                          wire::mount_request{"s", 1 << 20, 0, {}}.encode(w);
                         }));
   wire::reader r(a.body);
   CHECK(r.status() == store_errc::invalid_params);
@@ -139,7 +180,7 @@ TEST_CASE("master service: liveness on made-up time") {
   const auto id = att.session.client->id;
   {
     const auto a = handle(svc, att.session, t_mount, body_of([](wire::writer& w) {
-                            wire::mount_request{"s", 1 << 20, 0}.encode(w);
+                            wire::mount_request{"s", 1 << 20, 0, {}}.encode(w);
                           }));
     wire::reader r(a.body);
     REQUIRE(!r.status());

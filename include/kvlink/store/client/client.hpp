@@ -46,7 +46,14 @@
 // when it does not answer within request_timeout. The client sends
 // heartbeats, reconnects when the connection drops, and mounts its segments
 // again when the master no longer knows it (it restarted, or declared this
-// client gone).
+// client gone), with the objects they hold: each object's bytes are followed
+// in its segment by a record (store/wire/record.hpp) the putting client
+// writes in the same transfer, and the owner announces the objects whose
+// records check out, so a restarted master loses no completed object
+// (objects put from device memory carry no record: a restart forgets them).
+// Operations in flight when the connection is lost fail with rpc_failed,
+// and segment ids of a master this client is no longer connected to are
+// never used with another.
 //
 // Thread safety: every member may be called from any thread; the client's
 // state lives on a strand of the engine's executor, and handlers run on
@@ -65,6 +72,7 @@
 #include <kvlink/memory/device.hpp>
 #include <kvlink/store/error.hpp>
 #include <kvlink/store/wire/protocol.hpp>
+#include <kvlink/store/wire/record.hpp>
 
 #include <algorithm>
 #include <chrono>
@@ -76,6 +84,7 @@
 #include <iterator>
 #include <map>
 #include <memory>
+#include <mutex>
 #include <span>
 #include <string>
 #include <string_view>
@@ -343,11 +352,41 @@ class client_state : public std::enable_shared_from_this<client_state> {
     std::string body;
     std::string frame = w.take();
     if (auto ec = co_await request(std::move(frame), body)) co_return ec;
+    // Segment ids are this master's: the put ends where it started.
+    const std::uint64_t epoch = epoch_;
     wire::placement_list placed;
     {
       wire::reader r(body);
       if (placed.decode(r, false) || placed.entries.size() != n) {
         co_return make_error_code(errc::malformed_message);
+      }
+    }
+    // Each object's record (store/wire/record.hpp) goes with its bytes, so
+    // that the segment's owner can announce it to a master that comes up
+    // empty. Its checksum needs the bytes on the CPU: objects put from
+    // device memory get none (a master restart forgets them).
+    std::vector<std::uint64_t> rec_at(n, no_record);
+    std::uint64_t rec_bytes = 0;
+    for (std::size_t i = 0; i < n; ++i) {
+      if (placed.entries[i].code != 0 || !host_only(a, i)) continue;
+      rec_at[i] = rec_bytes;
+      rec_bytes += wire::record_size(a.keys[i].size());
+    }
+    record_room room;
+    if (rec_bytes != 0) {
+      if (auto ec = records_room(rec_bytes, room)) {
+        kvlink::detail::log("store: no memory for object records ({}): puts go without them",
+                            ec.message());
+        std::fill(rec_at.begin(), rec_at.end(), no_record);
+      }
+      for (std::size_t i = 0; i < n; ++i) {
+        if (rec_at[i] == no_record) continue;
+        std::uint32_t crc = 0;
+        for (std::size_t p = a.first[i]; p < a.first[i + 1]; ++p) {
+          crc = kvlink::crc32c(a.pieces[p].data, a.pieces[p].size, crc);
+        }
+        wire::encode_record(a.keys[i], a.sizes[i], crc,
+                            {room.base + rec_at[i], wire::record_size(a.keys[i].size())});
       }
     }
     // The writes: every replica of every placed key, grouped by peer.
@@ -361,15 +400,27 @@ class client_state : public std::enable_shared_from_this<client_state> {
         continue;
       }
       placed_ok[i] = 1;
+      const std::uint64_t footprint = wire::object_footprint(a.sizes[i], a.keys[i].size());
       for (const auto& rep : e.list()) {
         const location* loc = nullptr;
-        if (auto ec = co_await locate(rep.segment, loc)) {
+        if (auto ec = co_await locate(rep.segment, loc, epoch)) {
           if (!a.results[i]) a.results[i] = ec;
           continue;
         }
-        if (rep.offset > loc->size || a.sizes[i] > loc->size - rep.offset) {
+        if (footprint == 0 || rep.offset > loc->size || footprint > loc->size - rep.offset) {
           a.results[i] = make_error_code(store_errc::internal_error);
           continue;
+        }
+        if (rec_at[i] != no_record) {
+          const std::uint64_t rat = rep.offset + wire::record_offset(a.sizes[i]);
+          std::byte* rec = room.base + rec_at[i];
+          const std::uint64_t rn = wire::record_size(a.keys[i].size());
+          if (loc->local != nullptr) {
+            copies.push_back({loc->local + rat, rec, rn, i, true});
+          } else {
+            group_of(groups, loc->remote.peer, rep.segment)
+                .add(i, transfer_request{opcode::write, rec, loc->remote, rat, rn});
+          }
         }
         std::uint64_t at = rep.offset;
         for (std::size_t p = a.first[i]; p < a.first[i + 1]; ++p) {
@@ -387,6 +438,7 @@ class client_state : public std::enable_shared_from_this<client_state> {
     }
     if (!copies.empty()) co_await run_copies(copies, a.results);
     co_await run_groups(groups);
+    release(room);
     for (auto& g : groups) {
       if (!g.ec) continue;
       forget(g.segment);
@@ -403,6 +455,12 @@ class client_state : public std::enable_shared_from_this<client_state> {
     if (!failed.empty()) {
       std::vector<std::error_code> ignored(failed.size());
       (void)co_await keys_call(wire::message_type::put_revoke, a.keys, failed, false, ignored);
+    }
+    if (!done.empty() && epoch != epoch_) {
+      // The master that placed these is gone; its successor takes the
+      // objects back from their records, or never saw them.
+      for (const auto i : done) a.results[i] = make_error_code(store_errc::rpc_failed);
+      done.clear();
     }
     if (!done.empty()) {
       std::vector<std::error_code> codes(done.size());
@@ -437,6 +495,7 @@ class client_state : public std::enable_shared_from_this<client_state> {
     std::string body;
     std::string frame = w.take();
     if (auto ec = co_await request(std::move(frame), body)) co_return ec;
+    const std::uint64_t epoch = epoch_;  // the segment ids are this master's
     wire::placement_list placed;
     {
       wire::reader r(body);
@@ -461,10 +520,10 @@ class client_state : public std::enable_shared_from_this<client_state> {
       std::vector<std::pair<int, wire::wire_replica>> ranked;
       for (const auto& rep : e.list()) {
         const location* loc = nullptr;
-        const int rank = co_await locate(rep.segment, loc) ? 3
-                         : loc->local != nullptr           ? 0
-                         : loc->host == host_              ? 1
-                                                           : 2;
+        const int rank = co_await locate(rep.segment, loc, epoch) ? 3
+                         : loc->local != nullptr                  ? 0
+                         : loc->host == host_                     ? 1
+                                                                  : 2;
         ranked.emplace_back(rank, rep);
       }
       std::stable_sort(ranked.begin(), ranked.end(),
@@ -488,7 +547,7 @@ class client_state : public std::enable_shared_from_this<client_state> {
         }
         const auto rep = order[i][next[i]++];
         const location* loc = nullptr;
-        if (auto ec = co_await locate(rep.segment, loc)) {
+        if (auto ec = co_await locate(rep.segment, loc, epoch)) {
           a.results[i] = ec;
           continue;
         }
@@ -725,6 +784,7 @@ class client_state : public std::enable_shared_from_this<client_state> {
       (void)ec;
     }
     mounts_.clear();
+    drop_arena_now();  // a batch still writing from it fails with not_registered
     drop_connection(make_error_code(errc::cancelled));
     tick_.cancel();
     co_return std::error_code{};
@@ -770,6 +830,90 @@ class client_state : public std::enable_shared_from_this<client_state> {
 
   static std::error_code store_error(std::uint32_t code) {
     return {static_cast<int>(code), store_error_category()};
+  }
+
+  static constexpr std::uint64_t no_record = UINT64_MAX;
+
+  // Whether key i's pieces are all host memory (its record's checksum is
+  // computed on the CPU).
+  bool host_only(const put_batch_args& a, std::size_t i) const {
+    const auto& rt = eng_.device_runtime();
+    if (!rt) return true;
+    for (std::size_t p = a.first[i]; p < a.first[i + 1]; ++p) {
+      if (a.pieces[p].size != 0 &&
+          rt->classify(a.pieces[p].data).memory.kind == memory_kind::device) {
+        return false;
+      }
+    }
+    return true;
+  }
+
+  // Registered memory the records of one put batch are written from: the
+  // client's arena (registered once, grown while no batch uses it), or,
+  // while another batch holds it, a buffer of this batch's own.
+  struct record_room {
+    std::byte* base = nullptr;
+    std::shared_ptr<std::byte[]> own;  // a buffer of this batch's own
+    segment_id own_segment{};
+  };
+
+  std::error_code records_room(std::uint64_t n, record_room& out) {
+    std::error_code ec;
+    std::lock_guard lock{arena_mu_};
+    if (arena_users_ == 0) {
+      arena_used_ = 0;
+      if (n > arena_cap_) {
+        drop_arena();
+        const std::uint64_t cap = std::max<std::uint64_t>(n * 2, 64u << 10);
+        auto mem = std::shared_ptr<std::byte[]>(new std::byte[cap]);
+        const auto seg = eng_.register_segment(mem.get(), cap, access::none, ec);
+        if (ec) return ec;
+        arena_ = std::move(mem);
+        arena_cap_ = cap;
+        arena_segment_ = seg;
+      }
+    }
+    if (arena_ && arena_cap_ - arena_used_ >= n) {
+      out.base = arena_.get() + arena_used_;
+      arena_used_ += n;
+      ++arena_users_;
+      return {};
+    }
+    auto mem = std::shared_ptr<std::byte[]>(new std::byte[n]);
+    const auto seg = eng_.register_segment(mem.get(), n, access::none, ec);
+    if (ec) return ec;
+    out.base = mem.get();
+    out.own = std::move(mem);
+    out.own_segment = seg;
+    return {};
+  }
+
+  void release(record_room& r) {
+    if (r.base == nullptr) return;
+    if (r.own) {
+      eng_.async_unregister_segment(r.own_segment, [keep = std::move(r.own)](std::error_code) {});
+    } else {
+      std::lock_guard lock{arena_mu_};
+      --arena_users_;
+    }
+    r.base = nullptr;
+  }
+
+  // The arena leaves the engine (its memory kept until it has).
+  // ~client() calls it from the caller's thread (the engine is alive then,
+  // as it must outlive the client), so its fields are under arena_mu_.
+ public:
+  void drop_arena_now() {
+    std::lock_guard lock{arena_mu_};
+    drop_arena();
+  }
+
+ private:
+  void drop_arena() {  // under arena_mu_
+    if (!arena_) return;
+    eng_.async_unregister_segment(arena_segment_, [keep = std::move(arena_)](std::error_code) {});
+    arena_.reset();
+    arena_cap_ = arena_used_ = 0;
   }
 
   static group& group_of(std::vector<group>& gs, peer_id p, std::uint64_t segment) {
@@ -883,7 +1027,12 @@ class client_state : public std::enable_shared_from_this<client_state> {
   }
 
   // Where a store segment's bytes are: ours, or a peer's (connected).
-  asio::awaitable<std::error_code> locate(std::uint64_t segment, const location*& out) {
+  // `epoch`: the connection the segment id came from; an id of a master
+  // that has since been replaced (the client reconnected) names nothing
+  // (rpc_failed): the new master's ids are its own.
+  asio::awaitable<std::error_code> locate(std::uint64_t segment, const location*& out,
+                                          std::uint64_t epoch) {
+    if (epoch != epoch_) co_return make_error_code(store_errc::rpc_failed);
     if (auto it = locations_.find(segment); it != locations_.end()) {
       out = &it->second;
       co_return std::error_code{};
@@ -903,6 +1052,7 @@ class client_state : public std::enable_shared_from_this<client_state> {
     std::string body;
     std::string frame = w.take();
     if (auto ec = co_await request(std::move(frame), body)) co_return ec;
+    if (epoch != epoch_) co_return make_error_code(store_errc::rpc_failed);
     wire::segment_location where;
     {
       wire::reader r(body);
@@ -915,6 +1065,7 @@ class client_state : public std::enable_shared_from_this<client_state> {
     if (address.empty()) co_return make_error_code(store_errc::segment_not_found);
     auto [cec, p] = co_await eng_.async_connect(address, control::use_nothrow);
     if (cec) co_return cec;
+    if (epoch != epoch_) co_return make_error_code(store_errc::rpc_failed);
     auto& loc = locations_[segment];
     loc.remote = p.segment(segment_id{engine_segment});
     loc.size = size;
@@ -953,18 +1104,56 @@ class client_state : public std::enable_shared_from_this<client_state> {
     co_return std::error_code{};
   }
 
-  asio::awaitable<std::error_code> mount_at_master(mount_rec& m) {
+  // Mounts a segment at the master. `announce`: the master does not know
+  // this client (it came up empty, or declared us gone), so the objects
+  // whose records check out in the segment go with the mount and come back
+  // readable; records it does not take back are cleared.
+  asio::awaitable<std::error_code> mount_at_master(mount_rec& m, bool announce = false) {
     wire::writer w(wire::message_type::mount, 0, false);
     const std::string name =
         std::string("engine-segment-").append(std::to_string(m.engine_segment.value()));
-    wire::mount_request q{name, m.size, m.engine_segment.value()};
+    wire::mount_request q{name, m.size, m.engine_segment.value(), {}};
+    struct found {
+      std::string key;  // copied: a late writer may change the memory
+      std::uint64_t offset = 0;
+      std::uint64_t size = 0;
+    };
+    std::vector<found> objects;
+    std::uint64_t cleared = 0;
+    if (announce) {
+      const auto t0 = std::chrono::steady_clock::now();
+      cleared =
+          wire::scan_records(m.base, m.size, 65535, true, false, [&](const wire::found_object& f) {
+            objects.push_back({std::string(f.key), f.offset, f.size});
+          });
+      q.objects.reserve(objects.size());
+      for (const auto& o : objects) q.objects.push_back({o.key, o.offset, o.size});
+      kvlink::detail::log(
+          "store: segment {} ({} bytes) scanned in {} ms: {} object(s) to announce, {} torn or "
+          "overwritten record(s) cleared",
+          m.engine_segment.value(), m.size,
+          std::chrono::duration_cast<std::chrono::milliseconds>(std::chrono::steady_clock::now() -
+                                                                t0)
+              .count(),
+          objects.size(), cleared);
+    }
     q.encode(w);
     std::string body;
     std::string frame = w.take();
     if (auto ec = co_await request(std::move(frame), body)) co_return ec;
     wire::reader r(body);
     m.master_segment = r.u64();
-    co_return r.finish();
+    wire::code_list codes;
+    if (auto ec = codes.decode(r)) co_return ec;
+    if (codes.codes.size() != objects.size()) co_return make_error_code(errc::malformed_message);
+    for (std::size_t i = 0; i < objects.size(); ++i) {
+      // Not taken back (the key was put again meanwhile): its space is the
+      // master's to hand out, so its record must not come back later.
+      if (codes.codes[i] != 0) {
+        std::memset(m.base + objects[i].offset + wire::record_offset(objects[i].size), 0, 8);
+      }
+    }
+    co_return std::error_code{};
   }
 
   // Connects and authenticates; mounts our segments again when the master
@@ -1009,6 +1198,8 @@ class client_state : public std::enable_shared_from_this<client_state> {
     heartbeat_ = std::chrono::milliseconds(store->value("heartbeat_ms", std::uint64_t{1000}));
     if (heartbeat_.count() <= 0) heartbeat_ = std::chrono::milliseconds(1000);
     if (*master != master_) locations_.clear();  // another master: its segment ids are new
+    if (!known) forget_mounts();
+    ++epoch_;  // ids handed out before this connection are void
     master_ = *master;
     socket_ = std::move(sock);
     connected_ = true;
@@ -1020,7 +1211,7 @@ class client_state : public std::enable_shared_from_this<client_state> {
     asio::co_spawn(strand_, read_loop(shared_from_this(), socket_), asio::detached);
     if (!known && !mounts_.empty()) {
       for (auto& m : mounts_) {
-        if (auto mec = co_await mount_at_master(m)) {
+        if (auto mec = co_await mount_at_master(m, true)) {
           kvlink::detail::log("store: mounting a segment again at the master {} failed: {}",
                               opt_.master, mec.message());
         }
@@ -1028,6 +1219,15 @@ class client_state : public std::enable_shared_from_this<client_state> {
       locations_.clear();
     }
     co_return std::error_code{};
+  }
+
+  // The master does not know our segments: the ids it gave them are void
+  // until they are mounted again. A put placed meanwhile in a segment that
+  // now has one of those ids must not take it for ours (it would write
+  // another client's object into our memory, over objects of our own).
+  void forget_mounts() {
+    for (auto& m : mounts_) m.master_segment = 0;
+    std::erase_if(locations_, [](const auto& kv) { return kv.second.local != nullptr; });
   }
 
   std::error_code unreachable(std::string_view why) {
@@ -1165,7 +1365,8 @@ class client_state : public std::enable_shared_from_this<client_state> {
     kvlink::detail::log(
         "store: the master at {} no longer knows this client; mounting its segments again",
         self->opt_.master);
-    for (auto& m : self->mounts_) (void)co_await self->mount_at_master(m);
+    self->forget_mounts();
+    for (auto& m : self->mounts_) (void)co_await self->mount_at_master(m, true);
     self->locations_.clear();
   }
 
@@ -1190,10 +1391,16 @@ class client_state : public std::enable_shared_from_this<client_state> {
   std::uint64_t next_id_ = 0;
   std::uint64_t client_id_ = 0;
   instance_id master_{};
+  std::uint64_t epoch_ = 0;  // connections made: segment ids are an epoch's
   std::chrono::milliseconds heartbeat_{1000};
 
   std::vector<mount_rec> mounts_;
   std::unordered_map<std::uint64_t, location> locations_;
+  std::mutex arena_mu_;
+  std::shared_ptr<std::byte[]> arena_;                              // records_room's; arena_mu_
+  std::uint64_t arena_cap_ = 0, arena_used_ = 0;                    // arena_mu_
+  std::size_t arena_users_ = 0;                                     // arena_mu_
+  segment_id arena_segment_{};                                      // arena_mu_
   std::map<std::int32_t, std::shared_ptr<device_stream>> streams_;  // run_copies'
 };
 
@@ -1213,7 +1420,10 @@ class client {
   /// cleanly (otherwise the master drops this client's segments after its
   /// liveness timeout, and they stay registered with the engine).
   ~client() {
-    if (state_) asio::post(state_->strand(), [s = state_] { s->abandon(); });
+    if (state_) {
+      state_->drop_arena_now();
+      asio::post(state_->strand(), [s = state_] { s->abandon(); });
+    }
   }
   client(const client&) = delete;
   client& operator=(const client&) = delete;

@@ -75,6 +75,29 @@ class offset_allocator {
     return off;
   }
 
+  /// Takes [offset, offset + size rounded) out of the free space, as if
+  /// allocate() had handed it out (an object a segment's owner announces
+  /// after a master restart). store_errc::invalid_params, changing
+  /// nothing, for a size of 0, an offset that is not aligned, a range
+  /// beyond the capacity or one that is not wholly free.
+  std::error_code reserve(std::uint64_t offset, std::uint64_t size) {
+    const std::uint64_t n = rounded(size);
+    if (n == 0 || (offset & (alignment_ - 1)) != 0 || offset > capacity_ ||
+        n > capacity_ - offset) {
+      return store_errc::invalid_params;
+    }
+    auto it = by_offset_.upper_bound(offset);
+    if (it == by_offset_.begin()) return store_errc::invalid_params;
+    --it;
+    const auto [start, len] = *it;
+    if (start + len < offset + n) return store_errc::invalid_params;
+    erase_free(it);
+    if (offset > start) insert_free(start, offset - start);
+    if (start + len > offset + n) insert_free(offset + n, start + len - offset - n);
+    used_ += n;
+    return {};
+  }
+
   /// Gives back the range allocate(size) returned at `offset`. Refuses with
   /// store_errc::invalid_params, changing nothing, a size of 0, an offset
   /// that is not aligned, a range beyond the capacity or one that overlaps

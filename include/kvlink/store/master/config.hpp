@@ -62,7 +62,8 @@ struct master_config {
   /// Longest key in bytes.
   std::uint64_t max_key_size = 4096;
   /// Every allocation in a segment starts at, and is rounded up to, a
-  /// multiple of this (a power of two).
+  /// multiple of this (a power of two, at least 64: the object records of
+  /// store/wire/record.hpp lie at multiples of 64).
   std::uint64_t alignment = 64;
   /// Read lease granted by get (and by exists when lease_on_exists).
   std::chrono::milliseconds lease_ttl{10'000};
@@ -92,7 +93,7 @@ struct master_config {
   /// of two, a watermark above 100, release before discard, ...).
   std::error_code validate() const {
     placement_policy p{};
-    if (max_key_size == 0 || max_key_size > 65535 || alignment == 0 ||
+    if (max_key_size == 0 || max_key_size > 65535 || alignment < 64 ||
         (alignment & (alignment - 1)) != 0 || lease_ttl.count() < 0 || soft_pin_ttl.count() < 0 ||
         max_soft_pin_ttl < soft_pin_ttl || put_discard_timeout.count() <= 0 ||
         put_release_timeout < put_discard_timeout || eviction_high_watermark > 100 ||

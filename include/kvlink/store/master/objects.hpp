@@ -49,6 +49,7 @@
 #include <kvlink/store/error.hpp>
 #include <kvlink/store/master/config.hpp>
 #include <kvlink/store/master/segments.hpp>
+#include <kvlink/store/wire/record.hpp>
 
 #include <algorithm>
 #include <array>
@@ -374,8 +375,8 @@ class object_table {
   // ---- segments -------------------------------------------------------
 
   /// See segment_table::mount.
-  std::error_code mount_segment(const segment_desc& d, segment_id& out) {
-    return segments_.mount(d, out);
+  std::error_code mount_segment(const segment_desc& d, segment_id& out, bool open = true) {
+    return segments_.mount(d, out, open);
   }
 
   /// Unmounts a segment: the replicas on it are dropped, objects left with
@@ -447,8 +448,10 @@ class object_table {
     }
     const std::uint64_t largest = segments_.largest_segment();
     if (largest == 0) return store_errc::no_space;
-    const std::uint64_t n = segments_.rounded(size);
-    if (n == 0 || n > largest) return store_errc::invalid_params;
+    // The object's bytes and its record (store/wire/record.hpp).
+    const std::uint64_t footprint = wire::object_footprint(size, key.size());
+    const std::uint64_t n = segments_.rounded(footprint);
+    if (footprint == 0 || n == 0 || n > largest) return store_errc::invalid_params;
     const std::int64_t t = ms(now);
     const std::uint64_t h = detail::hash_key(key);
     shard& sh = shard_of(h);
@@ -461,7 +464,7 @@ class object_table {
     }
     std::array<segment_range, max_replicas> got{};
     const std::size_t k = segments_.allocate(
-        size, placement_request{opt.replicas, opt.preferred, opt.host}, std::span{got});
+        footprint, placement_request{opt.replicas, opt.preferred, opt.host}, std::span{got});
     if (k == 0) {
       eviction_wanted_.store(true, std::memory_order_relaxed);
       return store_errc::no_space;
@@ -529,6 +532,60 @@ class object_table {
     if (o.is(detail::object_meta::complete)) return store_errc::object_already_exists;
     free_replicas(o);
     erase(sh, it);
+    return {};
+  }
+
+  // ---- a master that came up empty -----------------------------------
+
+  /// Takes back an object a segment's owner found in its memory (a record
+  /// whose bytes check out: store/wire/record.hpp), complete and readable,
+  /// its bytes at [offset, offset + size) of `segment`. A key the table
+  /// already holds complete with the same size gains this replica (up to
+  /// max_replicas); otherwise object_already_exists (a put of the key came
+  /// first: it wins). invalid_key, invalid_params (size 0, a range that is
+  /// not free or not aligned), segment_not_found. No parent link and no
+  /// pins come back: the record does not carry them.
+  std::error_code adopt(segment_id segment, std::string_view key, std::uint64_t offset,
+                        std::uint64_t size) {
+    if (auto ec = check_key(key)) return ec;
+    const std::uint64_t footprint = wire::object_footprint(size, key.size());
+    if (size == 0 || footprint == 0) return store_errc::invalid_params;
+    shard& sh = shard_of(detail::hash_key(key));
+    std::lock_guard lock{sh.mu};
+    detail::object_meta* it = sh.objects.find(key);
+    if (it != nullptr && (!it->is(detail::object_meta::complete) || it->size != size ||
+                          it->count() >= max_replicas)) {
+      return store_errc::object_already_exists;
+    }
+    if (it != nullptr) {
+      for (std::size_t i = 0; i < it->count(); ++i) {
+        if (it->replica(i).segment == segment.value()) return store_errc::object_already_exists;
+      }
+    }
+    if (auto ec = segments_.reserve(segment, offset, footprint)) return ec;
+    const std::size_t k = it == nullptr ? 1 : it->count() + 1;
+    detail::object_ptr o = detail::make_object(key, k);
+    o->size = size;
+    o->set_count(k);
+    if (it != nullptr) {
+      o->flags = it->flags;
+      o->time_ms = it->time_ms;
+      o->soft_pin_s = it->soft_pin_s;
+      for (std::size_t i = 0; i + 1 < k; ++i) o->replica(i) = it->replica(i);
+      o->set(detail::object_meta::has_parent, false);
+      if (it->is(detail::object_meta::has_parent)) {
+        o->parent_hash = it->parent_hash;
+        o->set(detail::object_meta::has_parent, true);
+        it->set(detail::object_meta::has_parent, false);  // the link moves to o
+      }
+      sh.objects.erase(it);  // complete: no in-progress entry; the count stays
+    } else {
+      o->set(detail::object_meta::complete, true);
+      o->set(detail::object_meta::referenced, true);
+      objects_.fetch_add(1, std::memory_order_relaxed);
+    }
+    o->replica(k - 1) = {segment.value(), offset};
+    sh.objects.insert(std::move(o));
     return {};
   }
 
@@ -749,14 +806,14 @@ class object_table {
         }
         if (want == 0) return true;
         victims.push_back(&o);
-        planned += segments_.rounded(o.size) * o.count();
+        planned += segments_.rounded(footprint_of(o)) * o.count();
         return planned < want;
       });
       b = (b + 1) % nb;
     }
     sh.hand = b;
     for (detail::object_meta* o : victims) {
-      r.freed += segments_.rounded(o->size) * o->count();
+      r.freed += segments_.rounded(footprint_of(*o)) * o->count();
       ++r.evicted;
       free_replicas(*o);
       erase(sh, o);
@@ -836,9 +893,15 @@ class object_table {
     return p.children.find(h) != p.children.end();
   }
 
+  // The bytes an object takes in each of its segments: its own and its
+  // record's.
+  static std::uint64_t footprint_of(const detail::object_meta& o) noexcept {
+    return wire::object_footprint(o.size, o.key_len);
+  }
+
   void free_replicas(const detail::object_meta& o) {
     for (std::size_t i = 0; i < o.count(); ++i) {
-      segments_.free(segment_id{o.replica(i).segment}, o.replica(i).offset, o.size);
+      segments_.free(segment_id{o.replica(i).segment}, o.replica(i).offset, footprint_of(o));
     }
   }
 
@@ -849,9 +912,9 @@ class object_table {
     {
       std::lock_guard lock{discard_mu_};
       for (std::size_t i = 0; i < o.count(); ++i) {
-        discarded_.push_back({o.replica(i).segment, o.replica(i).offset, o.size,
+        discarded_.push_back({o.replica(i).segment, o.replica(i).offset, footprint_of(o),
                               o.time_ms + cfg_.put_release_timeout.count()});
-        reserved_ += segments_.rounded(o.size);
+        reserved_ += segments_.rounded(footprint_of(o));
       }
     }
     erase(sh, it);

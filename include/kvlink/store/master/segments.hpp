@@ -93,8 +93,9 @@ class segment_table {
 
   /// Mounts a segment. invalid_params when the client id is 0 or the size
   /// is below the alignment; segment_already_exists when this client has a
-  /// segment of that name mounted.
-  std::error_code mount(const segment_desc& d, segment_id& out) {
+  /// segment of that name mounted. With `open` false nothing is allocated
+  /// in it until open() (ranges its owner announces are reserve()d first).
+  std::error_code mount(const segment_desc& d, segment_id& out, bool open = true) {
     if (d.client == 0 || d.size < alignment_ || d.size > max_segment_size) {
       return store_errc::invalid_params;
     }
@@ -104,9 +105,11 @@ class segment_table {
     if (capacity_.load(std::memory_order_relaxed) > max_pool_size - d.size) {
       return store_errc::invalid_params;
     }
-    for (std::uint32_t s : alive_) {
+    for (const auto& [id, s] : by_id_) {
       const segment& g = *slots_[s];
-      if (g.client == d.client && g.name == d.name) return store_errc::segment_already_exists;
+      if (g.mounted && g.client == d.client && g.name == d.name) {
+        return store_errc::segment_already_exists;
+      }
     }
     std::uint32_t slot;
     if (!free_slots_.empty()) {
@@ -122,14 +125,28 @@ class segment_table {
     g->name = d.name;
     g->host = d.host;
     g->host_hash = std::hash<std::string_view>{}(d.host);
+    g->open = open;
     g->after_change();  // not shared yet
     capacity_.fetch_add(g->alloc.capacity(), std::memory_order_relaxed);
     out = g->id;
     by_id_.emplace(g->id.value(), slot);
     slots_[slot] = std::move(g);
-    alive_.push_back(slot);
-    refresh_largest();
+    if (open) {
+      alive_.push_back(slot);
+      refresh_largest();
+    }
     return {};
+  }
+
+  /// Lets allocations into a segment mount() left closed.
+  void open(segment_id id) {
+    std::unique_lock lock{mu_};
+    auto it = by_id_.find(id.value());
+    if (it == by_id_.end() || !slots_[it->second]->mounted) return;
+    if (slots_[it->second]->open) return;
+    slots_[it->second]->open = true;
+    alive_.push_back(it->second);
+    refresh_largest();
   }
 
   /// Stops allocations on the segment, before the object table drops the
@@ -143,7 +160,7 @@ class segment_table {
     }
     const std::uint32_t slot = it->second;
     slots_[slot]->mounted = false;
-    alive_.erase(std::find(alive_.begin(), alive_.end(), slot));
+    if (auto a = std::find(alive_.begin(), alive_.end(), slot); a != alive_.end()) alive_.erase(a);
     refresh_largest();
     return {};
   }
@@ -198,7 +215,9 @@ class segment_table {
     for (const segment_id id : req.preferred) {
       if (got == want) return got;
       auto it = by_id_.find(id.value());
-      if (it != by_id_.end() && slots_[it->second]->mounted) try_slot(it->second);
+      if (it != by_id_.end() && slots_[it->second]->mounted && slots_[it->second]->open) {
+        try_slot(it->second);
+      }
     }
     if (got == want || alive_.empty()) return got;
     // The policy's order over the alive segments, the writer's host first.
@@ -228,6 +247,21 @@ class segment_table {
       try_slot(s);
     }
     return got;
+  }
+
+  /// Takes a given range of a mounted segment (offset_allocator::reserve).
+  /// segment_not_found when it is not mounted; invalid_params when the
+  /// range is not free.
+  std::error_code reserve(segment_id id, std::uint64_t offset, std::uint64_t size) {
+    std::shared_lock lock{mu_};
+    auto it = by_id_.find(id.value());
+    if (it == by_id_.end() || !slots_[it->second]->mounted) return store_errc::segment_not_found;
+    segment& g = *slots_[it->second];
+    std::lock_guard seg_lock{g.mu};
+    if (auto ec = g.alloc.reserve(offset, size)) return ec;
+    g.after_change();
+    used_.fetch_add(rounded(size), std::memory_order_relaxed);
+    return {};
   }
 
   /// Gives back a range allocate() handed out. Ignored when the segment is
@@ -288,6 +322,7 @@ class segment_table {
     std::string host;
     std::size_t host_hash = 0;
     bool mounted = true;  // guarded by the table's mu_
+    bool open = true;     // allocations allowed (in alive_); guarded by the table's mu_
 
     void after_change() {  // under mu
       largest_free.store(alloc.largest_free(), std::memory_order_relaxed);

@@ -25,6 +25,14 @@
 // Mooncake's NEED_REMOUNT. A closed connection does not make a client gone:
 // it may reconnect within the timeout and find itself known.
 //
+// Rebuilding. A client that remounts (this master came up empty, or had
+// declared it gone) sends with each mount the objects its segment holds
+// (their records checked: store/wire/record.hpp); the segment is mounted
+// closed, the objects are taken back (object_table::adopt: complete,
+// readable, a second replica when another owner announced the same key),
+// then it opens for allocations. Eviction waits rebuild_grace after such a
+// mount: the first segments back may be full on their own.
+//
 // Thread-safe: handle_frame may run for many sessions at once (the object
 // table shards its locks); one session's frames are handled one at a time.
 // Locks, in order: clients_mu_ (attach, detach, revive, mount, liveness),
@@ -99,6 +107,10 @@ struct server_options {
   std::chrono::milliseconds reclaim_interval{1000};
   /// How often the evictor looks whether the pool needs room.
   std::chrono::milliseconds eviction_interval{10};
+  /// No eviction for this long after a mount that took objects back (a
+  /// master that came up empty while its clients mount again one by one:
+  /// the first segments back may be full on their own).
+  std::chrono::milliseconds rebuild_grace{5000};
 
   /// invalid_argument, with `what` saying why, for values out of range.
   std::error_code validate(std::string* what = nullptr) const {
@@ -126,7 +138,8 @@ struct server_options {
     }
     if (heartbeat_interval.count() <= 0 || suspect_after.count() <= 0 ||
         liveness_timeout <= suspect_after || handshake_timeout.count() <= 0 ||
-        reclaim_interval.count() <= 0 || eviction_interval.count() <= 0) {
+        reclaim_interval.count() <= 0 || eviction_interval.count() <= 0 ||
+        rebuild_grace.count() < 0) {
       return kvlink::detail::fail(what,
                                   "intervals and timeouts must be > 0 and store_liveness_timeout > "
                                   "store_suspect_after");
@@ -193,6 +206,10 @@ inline constexpr std::array server_settings{
     setting_row<server_options>{"store_eviction_interval", "KVLINK_STORE_EVICTION_INTERVAL",
                                 setting_kind::duration, &server_options::eviction_interval,
                                 "how often the evictor checks whether the pool needs room"},
+    setting_row<server_options>{"store_rebuild_grace", "KVLINK_STORE_REBUILD_GRACE",
+                                setting_kind::duration, &server_options::rebuild_grace,
+                                "no eviction for this long after a client mounted a segment with "
+                                "objects to take back (a master rebuilding its pool)"},
 };
 
 /// Everything a master program is configured with.
@@ -359,6 +376,9 @@ class master_service {
   /// One eviction round when the pool is above its watermark or a put
   /// failed for space (evictor::run_once: per-shard steps, never a long lock).
   eviction_report evict(master_time now) {
+    const std::int64_t t = now.time_since_epoch().count();
+    const std::int64_t last = last_adoption_ms_.load(std::memory_order_relaxed);
+    if (last != never && t - last < opt_.rebuild_grace.count()) return {};
     const eviction_report r = evictor_.run_once(now);
     if (r.ran) {
       eviction_rounds_.fetch_add(1, std::memory_order_relaxed);
@@ -406,10 +426,14 @@ class master_service {
         wire::mount_request m;
         if ((dec = m.decode(r))) break;
         segment_id id;
-        const std::error_code ec = mount(*s.client, m, id);
+        wire::code_list taken;
+        const std::error_code ec = mount(*s.client, m, id, taken, now);
         count_error(ec);
         w.status(ec);
-        if (!ec) w.u64(id.value());
+        if (!ec) {
+          w.u64(id.value());
+          taken.encode(w);
+        }
         break;
       }
       case wire::message_type::unmount: {
@@ -666,6 +690,10 @@ class master_service {
             reclaimed_.load());
     counter("kvlink_store_released_bytes_total", "Bytes of discarded puts reused.",
             released_bytes_.load());
+    counter("kvlink_store_adopted_objects_total",
+            "Objects taken back from their owners' records at a mount (a master that came up "
+            "empty).",
+            adopted_.load());
     counter("kvlink_store_suspect_events_total", "Times a client became suspect.",
             suspect_events_.load());
     counter("kvlink_store_clients_gone_total", "Clients declared gone.", clients_gone_.load());
@@ -748,11 +776,31 @@ class master_service {
   }
 
   // Under clients_mu_ so that a client declared gone meanwhile mounts nothing.
-  std::error_code mount(const client_record& c, const wire::mount_request& m, segment_id& out) {
+  // The objects the owner found in the segment (this master came up empty,
+  // or forgot the client) are taken back before anything is allocated in
+  // it; one code per object in `taken`.
+  std::error_code mount(const client_record& c, const wire::mount_request& m, segment_id& out,
+                        wire::code_list& taken, master_time now) {
     std::lock_guard lock{clients_mu_};
     if (c.address.empty()) return store_errc::invalid_params;  // nobody could reach its bytes
     segment_desc d{c.id, std::string(m.name), m.size, c.host};
-    if (auto ec = table_.mount_segment(d, out)) return ec;
+    if (auto ec = table_.mount_segment(d, out, m.objects.empty())) return ec;
+    taken.codes.resize(m.objects.size());
+    std::uint64_t adopted = 0;
+    for (std::size_t i = 0; i < m.objects.size(); ++i) {
+      const auto& o = m.objects[i];
+      const auto ec = table_.adopt(out, o.key, o.offset, o.size);
+      taken.codes[i] = code_of(ec);
+      adopted += ec ? 0 : 1;
+    }
+    if (!m.objects.empty()) {
+      table_.segments().open(out);
+      adopted_.fetch_add(adopted, std::memory_order_relaxed);
+      last_adoption_ms_.store(now.time_since_epoch().count(), std::memory_order_relaxed);
+      kvlink::detail::log(
+          "store master: client {} mounted segment {} with {} object(s): {} taken back", c.id,
+          out.value(), m.objects.size(), adopted);
+    }
     std::lock_guard seg{segments_mu_};
     locations_[out.value()] = location{c.id, c.address, m.engine_segment, m.size, c.host};
     return {};
@@ -791,6 +839,9 @@ class master_service {
   std::atomic<std::uint64_t> malformed_{0}, refused_{0}, failed_handshakes_{0};
   std::atomic<std::uint64_t> eviction_rounds_{0}, evicted_{0}, evicted_bytes_{0};
   std::atomic<std::uint64_t> reclaimed_{0}, released_bytes_{0};
+  std::atomic<std::uint64_t> adopted_{0};  // objects taken back from owners' records
+  static constexpr std::int64_t never = INT64_MIN;
+  std::atomic<std::int64_t> last_adoption_ms_{never};  // master_time of the last such mount
   std::atomic<std::uint64_t> suspect_events_{0}, clients_gone_{0};
   std::atomic<std::int64_t> connections_{0};
 };

@@ -48,7 +48,9 @@
 namespace kvlink::store::wire {
 
 inline constexpr std::uint32_t frame_magic = 0x534C564Bu;  // "KVLS"
-inline constexpr std::uint16_t protocol_version = 1;
+// 2: objects take their record's bytes too (store/wire/record.hpp), and a
+// mount carries the objects its owner found in the segment.
+inline constexpr std::uint16_t protocol_version = 2;
 inline constexpr std::size_t header_size = 24;
 inline constexpr std::uint16_t reply_bit = 0x8000;
 /// Default bound of a frame's body (both directions).
@@ -60,7 +62,8 @@ inline constexpr std::uint8_t max_wire_replicas = 8;
 
 enum class message_type : std::uint16_t {
   heartbeat = 1,     ///< {} -> {u8 known}
-  mount = 2,         ///< {str name, u64 size, u64 engine segment} -> {u64 segment}
+  mount = 2,         ///< {str name, u64 size, u64 engine segment, [str key, u64 offset, u64 size]}
+                     ///< -> {u64 segment, [u32 code]}: the objects found in it, taken back or not
   unmount = 3,       ///< {u64 segment} -> {}
   segment_info = 4,  ///< {u64 segment} -> {u64 client, str address, u64 engine segment,
                      ///<                   u64 size, str host}
@@ -463,18 +466,39 @@ struct placement_list {
 };
 
 struct mount_request {
+  /// An object its owner found in the segment (a record whose bytes check
+  /// out) for a master that came up empty to take back.
+  struct found {
+    std::string_view key;
+    std::uint64_t offset = 0;
+    std::uint64_t size = 0;
+  };
   std::string_view name;
   std::uint64_t size = 0;
   std::uint64_t engine_segment = 0;  ///< the segment's id in its owner's engine
+  std::vector<found> objects;
   void encode(writer& w) const {
     w.str(name);
     w.u64(size);
     w.u64(engine_segment);
+    w.u32(static_cast<std::uint32_t>(objects.size()));
+    for (const auto& o : objects) {
+      w.str(o.key);
+      w.u64(o.offset);
+      w.u64(o.size);
+    }
   }
   std::error_code decode(reader& r) {
     name = r.str();
     size = r.u64();
     engine_segment = r.u64();
+    const auto n = r.count(max_batch, 18);
+    objects.resize(n);
+    for (std::uint32_t i = 0; i < n; ++i) {
+      objects[i].key = r.str();
+      objects[i].offset = r.u64();
+      objects[i].size = r.u64();
+    }
     return r.finish();
   }
 };
