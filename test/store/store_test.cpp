@@ -64,9 +64,10 @@ struct temp_file {
 // A kvlink-master process with short liveness timeouts, so the tests see
 // clients declared gone within seconds.
 struct master {
-  explicit master(std::uint16_t port = 0, const std::string& secret = {})
-      : config(R"({"store_heartbeat_interval": "100ms", "store_suspect_after": "400ms",
-                   "store_liveness_timeout": "1500ms"})"),
+  explicit master(std::uint16_t port = 0, const std::string& secret = {}, bool records = true)
+      : config(std::string(R"({"store_heartbeat_interval": "100ms", "store_suspect_after": "400ms",
+                   "store_liveness_timeout": "1500ms", "store_object_records": )") +
+               (records ? "true}" : "false}")),
         secret_file(secret.empty() ? "unused" : secret),
         proc(KVLINK_MASTER_PATH, args(port, secret.empty()), "kvlink-master: listening on ") {
     address = proc.address().substr(0, proc.address().find(' '));
@@ -203,6 +204,22 @@ TEST_CASE("store: the master restarted: clients mount again and their objects co
   CHECK(a.command("GET after 3") == "OK 4096");
   CHECK(b.command("GET before 1") == "OK 4096");
   CHECK(b.command("EXISTS during") == "NO");
+  CHECK(a.finish() == 0);
+  CHECK(b.finish() == 0);
+}
+
+TEST_CASE("store: without object records a restarted master starts empty") {
+  const auto port = free_port();
+  auto m = std::make_unique<master>(port, "", false);
+  auto a = client(m->address);
+  auto b = client(m->address, 0);
+  CHECK(b.command("PUT before 4096 1") == "OK");
+  CHECK(b.command("GET before 1") == "OK 4096");
+  m.reset();
+  m = std::make_unique<master>(port, "", false);
+  CHECK(until(b, "PUT after 4096 3", "OK") == "OK");  // a mounted again, empty
+  CHECK(b.command("GET after 3") == "OK 4096");
+  CHECK(b.command("EXISTS before") == "NO");
   CHECK(a.finish() == 0);
   CHECK(b.finish() == 0);
 }

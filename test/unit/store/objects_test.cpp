@@ -432,3 +432,17 @@ TEST_CASE("object_table: objects a segment's owner announces after a restart com
   CHECK_FALSE(t.unmount_segment(a));
   CHECK(t.get("k2", at(0), info) == store_errc::object_not_found);
 }
+
+TEST_CASE("object_table: without object records an object takes its own bytes only") {
+  master_config cfg;
+  cfg.object_records = false;
+  object_table t{cfg};
+  mount(t, 1, "s", 4 * kib);
+  replica_list w;
+  REQUIRE_FALSE(t.put_start("a", 4 * kib, 7, {}, at(0), w));  // the whole segment
+  CHECK(t.stats().used == 4 * kib);
+  CHECK(t.put_start("b", 1, 7, {}, at(0), w) == store_errc::no_space);
+  REQUIRE_FALSE(t.put_end("a", 7, at(0)));
+  CHECK_FALSE(t.remove("a", at(0)));
+  CHECK(t.stats().used == 0);
+}

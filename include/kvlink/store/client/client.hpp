@@ -354,6 +354,7 @@ class client_state : public std::enable_shared_from_this<client_state> {
     if (auto ec = co_await request(std::move(frame), body)) co_return ec;
     // Segment ids are this master's: the put ends where it started.
     const std::uint64_t epoch = epoch_;
+    const bool records = records_;  // this master's choice
     wire::placement_list placed;
     {
       wire::reader r(body);
@@ -367,7 +368,7 @@ class client_state : public std::enable_shared_from_this<client_state> {
     // device memory get none (a master restart forgets them).
     std::vector<std::uint64_t> rec_at(n, no_record);
     std::uint64_t rec_bytes = 0;
-    for (std::size_t i = 0; i < n; ++i) {
+    for (std::size_t i = 0; i < n && records; ++i) {
       if (placed.entries[i].code != 0 || !host_only(a, i)) continue;
       rec_at[i] = rec_bytes;
       rec_bytes += wire::record_size(a.keys[i].size());
@@ -400,7 +401,8 @@ class client_state : public std::enable_shared_from_this<client_state> {
         continue;
       }
       placed_ok[i] = 1;
-      const std::uint64_t footprint = wire::object_footprint(a.sizes[i], a.keys[i].size());
+      const std::uint64_t footprint =
+          records ? wire::object_footprint(a.sizes[i], a.keys[i].size()) : a.sizes[i];
       for (const auto& rep : e.list()) {
         const location* loc = nullptr;
         if (auto ec = co_await locate(rep.segment, loc, epoch)) {
@@ -1196,6 +1198,7 @@ class client_state : public std::enable_shared_from_this<client_state> {
     const bool known = store->value("known", false);
     client_id_ = store->value("client", std::uint64_t{0});
     heartbeat_ = std::chrono::milliseconds(store->value("heartbeat_ms", std::uint64_t{1000}));
+    records_ = store->value("records", false);
     if (heartbeat_.count() <= 0) heartbeat_ = std::chrono::milliseconds(1000);
     if (*master != master_) locations_.clear();  // another master: its segment ids are new
     if (!known) forget_mounts();
@@ -1392,6 +1395,7 @@ class client_state : public std::enable_shared_from_this<client_state> {
   std::uint64_t client_id_ = 0;
   instance_id master_{};
   std::uint64_t epoch_ = 0;  // connections made: segment ids are an epoch's
+  bool records_ = false;     // whether puts write object records (the master says)
   std::chrono::milliseconds heartbeat_{1000};
 
   std::vector<mount_rec> mounts_;

@@ -69,6 +69,12 @@ struct master_config {
   std::chrono::milliseconds lease_ttl{10'000};
   /// Whether exists grants a read lease, as Mooncake's ExistKey does.
   bool lease_on_exists = true;
+  /// Whether objects carry a record after their bytes (store/wire/record.hpp)
+  /// that lets a restarted master take them back from their owners. Off:
+  /// a master restart forgets every object; puts move one slice less per
+  /// object, its checksum is not computed, and objects of a batch lie next
+  /// to each other (transfers coalesce). Told to clients in the welcome.
+  bool object_records = true;
   /// Soft pin time when a put asks for a soft pin without a time; the most a
   /// put may ask for.
   std::chrono::milliseconds soft_pin_ttl{30 * 60'000};
@@ -119,6 +125,11 @@ inline constexpr std::array master_settings{
     setting_row<master_config>{"store_lease_on_exists", "KVLINK_STORE_LEASE_ON_EXISTS",
                                setting_kind::boolean, &master_config::lease_on_exists,
                                "whether exists grants a read lease too, as Mooncake's ExistKey"},
+    setting_row<master_config>{"store_object_records", "KVLINK_STORE_OBJECT_RECORDS",
+                               setting_kind::boolean, &master_config::object_records,
+                               "objects carry a record their owners announce to a restarted "
+                               "master (no object lost); off: a restart forgets every object, "
+                               "puts are cheaper"},
     setting_row<master_config>{"store_soft_pin_ttl", "KVLINK_STORE_SOFT_PIN_TTL",
                                setting_kind::duration, &master_config::soft_pin_ttl,
                                "soft pin time of a put that asks for one without a time"},

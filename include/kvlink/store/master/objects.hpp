@@ -449,7 +449,7 @@ class object_table {
     const std::uint64_t largest = segments_.largest_segment();
     if (largest == 0) return store_errc::no_space;
     // The object's bytes and its record (store/wire/record.hpp).
-    const std::uint64_t footprint = wire::object_footprint(size, key.size());
+    const std::uint64_t footprint = footprint_of(size, key.size());
     const std::uint64_t n = segments_.rounded(footprint);
     if (footprint == 0 || n == 0 || n > largest) return store_errc::invalid_params;
     const std::int64_t t = ms(now);
@@ -548,7 +548,7 @@ class object_table {
   std::error_code adopt(segment_id segment, std::string_view key, std::uint64_t offset,
                         std::uint64_t size) {
     if (auto ec = check_key(key)) return ec;
-    const std::uint64_t footprint = wire::object_footprint(size, key.size());
+    const std::uint64_t footprint = footprint_of(size, key.size());
     if (size == 0 || footprint == 0) return store_errc::invalid_params;
     shard& sh = shard_of(detail::hash_key(key));
     std::lock_guard lock{sh.mu};
@@ -894,9 +894,12 @@ class object_table {
   }
 
   // The bytes an object takes in each of its segments: its own and its
-  // record's.
-  static std::uint64_t footprint_of(const detail::object_meta& o) noexcept {
-    return wire::object_footprint(o.size, o.key_len);
+  // record's (when objects carry records).
+  std::uint64_t footprint_of(std::uint64_t size, std::size_t key_size) const noexcept {
+    return cfg_.object_records ? wire::object_footprint(size, key_size) : size;
+  }
+  std::uint64_t footprint_of(const detail::object_meta& o) const noexcept {
+    return footprint_of(o.size, o.key_len);
   }
 
   void free_replicas(const detail::object_meta& o) {

@@ -21,7 +21,8 @@
 // master's own instance id) within handshake_timeout; the hello's role must
 // be "store". The welcome is control::make_welcome(master instance) plus
 //   "store": {"known": bool, "client": u64, "heartbeat_ms": N,
-//             "timeout_ms": N, "max_body": N}
+//             "timeout_ms": N, "max_body": N, "records": bool}
+// ("records": whether puts write object records, master_config::object_records)
 // (and "session" with a secret, as the engine's). Then frames: each request
 // is handled on the connection's strand in arrival order and its reply
 // queued; replies go out in order from a write queue while the next
@@ -571,7 +572,8 @@ class master_server {
                         {"client", att.session.client->id},
                         {"heartbeat_ms", self->opt().heartbeat_interval.count()},
                         {"timeout_ms", self->opt().liveness_timeout.count()},
-                        {"max_body", self->opt().max_body}};
+                        {"max_body", self->opt().max_body},
+                        {"records", self->service.objects().config().object_records}};
     const std::error_code wec = co_await control::server_answer(c->socket, welcome);
     if (wec || dog.fired()) {
       self->service.detach_client(att.session);
