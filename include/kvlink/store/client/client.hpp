@@ -857,6 +857,7 @@ class client_state : public std::enable_shared_from_this<client_state> {
     std::byte* base = nullptr;
     std::shared_ptr<std::byte[]> own;  // a buffer of this batch's own
     segment_id own_segment{};
+    std::shared_ptr<std::byte[]> arena;  // the arena, alive while the batch uses it
   };
 
   std::error_code records_room(std::uint64_t n, record_room& out) {
@@ -877,6 +878,7 @@ class client_state : public std::enable_shared_from_this<client_state> {
     }
     if (arena_ && arena_cap_ - arena_used_ >= n) {
       out.base = arena_.get() + arena_used_;
+      out.arena = arena_;  // ~client() may drop the arena meanwhile
       arena_used_ += n;
       ++arena_users_;
       return {};
@@ -897,6 +899,7 @@ class client_state : public std::enable_shared_from_this<client_state> {
     } else {
       std::lock_guard lock{arena_mu_};
       --arena_users_;
+      r.arena.reset();
     }
     r.base = nullptr;
   }
