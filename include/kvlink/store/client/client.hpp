@@ -369,7 +369,7 @@ class client_state : public std::enable_shared_from_this<client_state> {
     std::vector<std::uint64_t> rec_at(n, no_record);
     std::uint64_t rec_bytes = 0;
     for (std::size_t i = 0; i < n && records; ++i) {
-      if (placed.entries[i].code != 0 || !host_only(a, i)) continue;
+      if (placed.entries[i].code != 0 || !recordable(a, i)) continue;
       rec_at[i] = rec_bytes;
       rec_bytes += wire::record_size(a.keys[i].size());
     }
@@ -836,14 +836,16 @@ class client_state : public std::enable_shared_from_this<client_state> {
 
   static constexpr std::uint64_t no_record = UINT64_MAX;
 
-  // Whether key i's pieces are all host memory (its record's checksum is
-  // computed on the CPU).
-  bool host_only(const put_batch_args& a, std::size_t i) const {
-    const auto& rt = eng_.device_runtime();
-    if (!rt) return true;
+  // Whether key i's record can be made: its pieces all lie in registered
+  // host memory (the checksum reads them on the CPU; a piece outside
+  // registered memory is never read: its transfer fails with
+  // not_registered or out_of_bounds and the put with it).
+  bool recordable(const put_batch_args& a, std::size_t i) const {
     for (std::size_t p = a.first[i]; p < a.first[i + 1]; ++p) {
-      if (a.pieces[p].size != 0 &&
-          rt->classify(a.pieces[p].data).memory.kind == memory_kind::device) {
+      if (a.pieces[p].size == 0) continue;
+      segment_info where;
+      if (eng_.find_segment(a.pieces[p].data, a.pieces[p].size, where) ||
+          where.memory.kind == memory_kind::device) {
         return false;
       }
     }
