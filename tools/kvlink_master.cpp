@@ -25,10 +25,24 @@
 //   --config_path F                          -> --config (JSON only)
 //   --enable_http_metadata_server[=B], --http_metadata_server_host H,
 //   --http_metadata_server_port N (0.0.0.0, 8080) -> store_metadata_listen H:N
+//   --enable_ha, --etcd_endpoints "h:2379;h:2379" (or --ha_backend_type etcd
+//   --ha_backend_connstring ...), --cluster_id C  -> store_ha_etcd, store_ha_cluster
 // --print-settings prints the settings in effect and exits.
+//
+// Several masters for one pool (store_ha_etcd, --ha-etcd): each binds its
+// address, prints "kvlink-master: standing for election in cluster C as
+// ADDR", and the one elected (store/master/election.hpp) prints
+// "kvlink-master: leading cluster C; listening on ADDR (http ADDR|off)" and
+// serves. Clients name etcd instead of a master ("etcd://h:2379"). A leader
+// that loses the leadership (etcd unreachable for half the lease, its key
+// gone) stops serving and exits with status 3; a supervisor starts it again
+// as a standby. SIGINT or SIGTERM on the leader hands over at once (its
+// lease revoked).
 #include <kvlink/core/settings.hpp>
+#include <kvlink/store/master/election.hpp>
 #include <kvlink/store/master/server.hpp>
 
+#include <atomic>
 #include <charconv>
 #include <chrono>
 #include <cmath>
@@ -45,6 +59,7 @@
 
 #include <CLI/CLI.hpp>
 #include <asio/io_context.hpp>
+#include <asio/ip/address.hpp>
 #include <asio/signal_set.hpp>
 #include <nlohmann/json.hpp>
 
@@ -90,6 +105,9 @@ struct mooncake_flags {
   bool metadata_server = false;
   std::string metadata_host = "0.0.0.0";
   unsigned metadata_port = 8080;
+  bool enable_ha = false;
+  std::string etcd_endpoints, ha_backend_type = "etcd", ha_connstring;
+  std::optional<std::string> cluster_id;
 
   void add_to(CLI::App& app) {
     auto* g = app.add_option_group("mooncake_master's flags",
@@ -112,6 +130,11 @@ struct mooncake_flags {
                 "serve Mooncake's HTTP metadata protocol (store_metadata_listen)");
     g->add_option("--http_metadata_server_host", metadata_host, "its address (0.0.0.0)");
     g->add_option("--http_metadata_server_port", metadata_port, "its port (8080)");
+    g->add_flag("--enable_ha", enable_ha, "stand for election through etcd (store_ha_etcd)");
+    g->add_option("--etcd_endpoints", etcd_endpoints, "etcd for --enable_ha: h:2379;h:2379");
+    g->add_option("--ha_backend_type", ha_backend_type, "etcd (the only one kvlink has)");
+    g->add_option("--ha_backend_connstring", ha_connstring, "as --etcd_endpoints");
+    g->add_option("--cluster_id", cluster_id, "store_ha_cluster (mooncake_cluster)");
   }
 
   // Applies what was given onto cfg and *threads; "" or what is wrong.
@@ -161,6 +184,15 @@ struct mooncake_flags {
       cfg.store.eviction_share = *p;
     }
     if (evict_soft_pinned) cfg.store.evict_soft_pinned = *evict_soft_pinned;
+    if (enable_ha) {
+      if (ha_backend_type != "etcd") {
+        return "--ha_backend_type " + ha_backend_type + ": kvlink elects masters through etcd only";
+      }
+      const std::string& where = ha_connstring.empty() ? etcd_endpoints : ha_connstring;
+      if (where.empty()) return "--enable_ha needs --etcd_endpoints (or --ha_backend_connstring)";
+      cfg.server.ha_etcd = where;
+    }
+    if (cluster_id) cfg.server.ha_cluster = *cluster_id;
     if (discard_s) cfg.store.put_discard_timeout = std::chrono::seconds{*discard_s};
     if (release_s) cfg.store.put_release_timeout = std::chrono::seconds{*release_s};
     return {};
@@ -188,6 +220,10 @@ int main(int argc, char** argv) {
   app.add_option("--threads", threads, "I/O threads (default: hardware threads, at least 2)");
   app.add_option("--auth-secret-file", secret_file,
                  "file holding the shared secret (store_auth_secret_file)");
+  std::string ha_etcd;
+  app.add_option("--ha-etcd", ha_etcd,
+                 "stand for election among masters through etcd, etcd://host:2379[,host:2379] "
+                 "(store_ha_etcd)");
   bool print_settings = false;
   app.add_flag("--print-settings", print_settings, "print the settings in effect and exit");
   mooncake_flags mc;
@@ -200,6 +236,8 @@ int main(int argc, char** argv) {
   CLI11_PARSE(app, argc, argv);
 
   std::string what;
+  // Mooncake's master and clients take the cluster from here too.
+  cfg.server.ha_cluster = store::wire::cluster_or_default({});
   if (!config_file.empty()) {
     std::ifstream in(config_file);
     if (!in) return fail("cannot read --config " + config_file);
@@ -221,6 +259,7 @@ int main(int argc, char** argv) {
   if (!metadata.empty()) cfg.server.metadata_listen = metadata;
   if (!listen.empty()) cfg.server.listen = listen;
   if (!http.empty()) cfg.server.http_listen = http;
+  if (!ha_etcd.empty()) cfg.server.ha_etcd = ha_etcd;
   if (!secret_file.empty()) {
     cfg.server.auth_secret_file = secret_file;
     cfg.server.auth_secret.clear();
@@ -234,22 +273,73 @@ int main(int argc, char** argv) {
     return 0;
   }
 
+  std::atomic<int> status{0};
   try {
     asio::io_context io{static_cast<int>(threads)};
     store::master_server master{io.get_executor(), cfg.store, cfg.server};
-    master.listen();
     asio::signal_set signals{io, SIGINT, SIGTERM};
-    signals.async_wait([&master](std::error_code ec, int) {
-      if (ec) return;
-      master.async_close([] {});
-    });
-    if (!master.metadata_address().empty()) {
-      std::printf("kvlink-master: metadata server on http://%s/metadata\n",
-                  master.metadata_address().c_str());
+    const auto announce = [&master](const std::string& lead) {
+      if (!master.metadata_address().empty()) {
+        std::printf("kvlink-master: metadata server on http://%s/metadata\n",
+                    master.metadata_address().c_str());
+      }
+      std::printf("kvlink-master: %slistening on %s (http %s)\n", lead.c_str(),
+                  master.local_address().c_str(),
+                  master.http_address().empty() ? "off" : master.http_address().c_str());
+      std::fflush(stdout);
+    };
+    std::shared_ptr<store::leader_election> election;
+    if (cfg.server.ha_etcd.empty()) {
+      master.listen();
+      signals.async_wait([&master](std::error_code ec, int) {
+        if (ec) return;
+        master.async_close([] {});
+      });
+      announce("");
+    } else {
+      master.bind();
+      store::leader_election::options eo;
+      store::wire::parse_etcd_endpoints(cfg.server.ha_etcd, eo.endpoints);
+      eo.cluster = cfg.server.ha_cluster;
+      eo.ttl = cfg.server.ha_leader_ttl;
+      eo.address =
+          cfg.server.ha_advertise.empty() ? master.local_address() : cfg.server.ha_advertise;
+      std::string_view host;
+      std::uint16_t port = 0;
+      kvlink::split_host_port(eo.address, host, port);
+      std::error_code not_ip;
+      const auto ip = asio::ip::make_address(std::string(host), not_ip);
+      if (host.empty() || (!not_ip && ip.is_unspecified())) {
+        return fail("store_listen " + master.local_address() +
+                    " is a wildcard: give store_ha_advertise (--config) or "
+                    "KVLINK_STORE_HA_ADVERTISE, the address clients dial");
+      }
+      election = std::make_shared<store::leader_election>(io.get_executor(), eo);
+      std::printf("kvlink-master: standing for election in cluster %s as %s\n", eo.cluster.c_str(),
+                  eo.address.c_str());
+      std::fflush(stdout);
+      const std::string cluster = eo.cluster;
+      election->start(
+          [&master, &announce, cluster] {
+            master.serve();
+            announce("leading cluster " + cluster + "; ");
+          },
+          [&master, &signals, &status, election](std::string why) {
+            std::fprintf(stderr,
+                         "kvlink-master: lost the leadership (%s); closing, exit "
+                         "status 3\n",
+                         why.c_str());
+            status = 3;
+            std::error_code ignored;
+            signals.cancel(ignored);
+            master.async_close([election] { election->resign([] {}); });
+          });
+      signals.async_wait([&master, election](std::error_code ec, int) {
+        if (ec) return;
+        // Stop serving first, then let a standby take over at once.
+        master.async_close([election] { election->resign([] {}); });
+      });
     }
-    std::printf("kvlink-master: listening on %s (http %s)\n", master.local_address().c_str(),
-                master.http_address().empty() ? "off" : master.http_address().c_str());
-    std::fflush(stdout);
     std::vector<std::thread> pool;
     for (unsigned i = 1; i < threads; ++i) pool.emplace_back([&io] { io.run(); });
     io.run();
@@ -257,5 +347,5 @@ int main(int argc, char** argv) {
   } catch (const std::exception& e) {
     return fail(e.what());
   }
-  return 0;
+  return status.load();
 }

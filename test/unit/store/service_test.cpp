@@ -229,3 +229,34 @@ TEST_CASE("master service: every setting has a unique name and environment varia
   CHECK(c.server.validate(&what));
   CHECK(what.find("store_liveness_timeout") != std::string::npos);
 }
+
+TEST_CASE("server_options: election settings are checked, each named in its error") {
+  store::server_options o;
+  o.listen = "127.0.0.1:0";
+  std::string what;
+  o.ha_etcd = "etcd://127.0.0.1:2379,127.0.0.1:2380";
+  CHECK(!o.validate());
+  o.ha_etcd = "127.0.0.1:2379;http://127.0.0.1:2380";  // mooncake_master's --etcd_endpoints
+  CHECK(!o.validate());
+  o.ha_etcd = "etcd://nohostport";
+  CHECK(o.validate(&what));
+  CHECK(what.find("store_ha_etcd") != std::string::npos);
+  o.ha_etcd = "127.0.0.1:2379";
+  o.ha_cluster = "a/b";
+  CHECK(o.validate(&what));
+  CHECK(what.find("store_ha_cluster") != std::string::npos);
+  o.ha_cluster = "prod";
+  o.ha_leader_ttl = 500ms;
+  CHECK(o.validate(&what));
+  CHECK(what.find("store_ha_leader_ttl") != std::string::npos);
+  o.ha_leader_ttl = 2s;
+  o.ha_advertise = "10.0.0.1";  // no port
+  CHECK(o.validate(&what));
+  CHECK(what.find("store_ha_advertise") != std::string::npos);
+  o.ha_advertise = "10.0.0.1:50051";
+  CHECK(!o.validate());
+  // Without store_ha_etcd the others are not looked at.
+  o.ha_etcd.clear();
+  o.ha_cluster.clear();
+  CHECK(!o.validate());
+}

@@ -143,7 +143,18 @@ class master_server {
   /// Binds the listen addresses and starts accepting and the timers. Throws
   /// std::system_error with the address ("kvlink-master: bind(0.0.0.0:50051):
   /// Address already in use").
-  void listen() { impl_->listen(); }
+  void listen() {
+    impl_->bind_all();
+    impl_->serve();
+  }
+
+  /// listen() in two steps, for a master that stands for election
+  /// (store/master/election.hpp): bind() takes the addresses (so a standby
+  /// knows the one it will lead on and holds it; nothing is accepted),
+  /// serve() starts accepting and the timers. serve() after async_close
+  /// does nothing.
+  void bind() { impl_->bind_all(); }
+  void serve() { impl_->serve(); }
 
   /// host:port clients connect to (the real port when 0 was asked for).
   std::string local_address() const { return impl_->address; }
@@ -230,7 +241,7 @@ class master_server {
 
     const server_options& opt() const noexcept { return service.options(); }
 
-    void listen() {
+    void bind_all() {
       address = bind(acceptor, opt().listen);
       if (!opt().http_listen.empty()) http_address = bind(http_acceptor, opt().http_listen);
       if (!opt().metadata_listen.empty()) {
@@ -242,6 +253,14 @@ class master_server {
             "can mount, read and remove objects (set store_auth_secret, store_auth_secret_file "
             "or KVLINK_STORE_AUTH_SECRET)",
             address);
+      }
+    }
+
+    void serve() {
+      {
+        std::lock_guard lock{mu};
+        if (close_started || serving) return;
+        serving = true;
       }
       auto me = shared_from_this();
       spawn(acceptor.get_executor(), accept_loop(me, listener::store, activity{me}));
@@ -403,6 +422,7 @@ class master_server {
     std::mutex mu;
     std::vector<kvlink::detail::erased_handler<void()>> on_closed;             // mu
     bool close_started = false;                                                // mu
+    bool serving = false;                                                      // mu
     std::unordered_map<std::uint64_t, std::weak_ptr<connection>> connections;  // mu
     std::uint64_t next_connection = 0;                                         // mu
     std::set<std::string> logged;                                              // mu

@@ -48,6 +48,7 @@
 #include <kvlink/store/master/config.hpp>
 #include <kvlink/store/master/eviction.hpp>
 #include <kvlink/store/master/objects.hpp>
+#include <kvlink/store/wire/leader.hpp>
 #include <kvlink/store/wire/protocol.hpp>
 
 #include <algorithm>
@@ -111,6 +112,17 @@ struct server_options {
   /// master that came up empty while its clients mount again one by one:
   /// the first segments back may be full on their own).
   std::chrono::milliseconds rebuild_grace{5000};
+  /// Stand for election among masters through etcd (election.hpp):
+  /// "etcd://host:2379[,host:2379]" or "host:2379;host:2379"; "" = off (this
+  /// master serves alone).
+  std::string ha_etcd{};
+  /// The cluster the masters lead; clients name the same one.
+  std::string ha_cluster{wire::default_cluster};
+  /// The leader's etcd lease: a leader that died is replaced this long after.
+  std::chrono::milliseconds ha_leader_ttl{5000};
+  /// The address clients dial when this master leads; "" = the one it
+  /// listens on (which must then not be a wildcard like 0.0.0.0).
+  std::string ha_advertise{};
 
   /// invalid_argument, with `what` saying why, for values out of range.
   std::error_code validate(std::string* what = nullptr) const {
@@ -143,6 +155,25 @@ struct server_options {
       return kvlink::detail::fail(what,
                                   "intervals and timeouts must be > 0 and store_liveness_timeout > "
                                   "store_suspect_after");
+    }
+    if (!ha_etcd.empty()) {
+      std::vector<std::string> endpoints;
+      if (!wire::parse_etcd_endpoints(ha_etcd, endpoints)) {
+        return kvlink::detail::fail(what, "store_ha_etcd: \"" + ha_etcd +
+                                              "\" is not etcd://host:port[,host:port] or "
+                                              "host:port[;host:port]");
+      }
+      if (ha_cluster.empty() || ha_cluster.find_first_of("/\n\r\t ") != std::string::npos) {
+        return kvlink::detail::fail(what, "store_ha_cluster: a name without '/' or spaces");
+      }
+      if (ha_leader_ttl < std::chrono::seconds(1)) {
+        return kvlink::detail::fail(what, "store_ha_leader_ttl: at least 1 s");
+      }
+      if (!ha_advertise.empty() &&
+          (!split_host_port(ha_advertise, host, port) || host.empty() || port == 0)) {
+        return kvlink::detail::fail(
+            what, "store_ha_advertise: \"" + ha_advertise + "\" is not host:port with a port");
+      }
     }
     if (max_body < 1024 || max_connections == 0) {
       return kvlink::detail::fail(what,
@@ -210,6 +241,21 @@ inline constexpr std::array server_settings{
                                 setting_kind::duration, &server_options::rebuild_grace,
                                 "no eviction for this long after a client mounted a segment with "
                                 "objects to take back (a master rebuilding its pool)"},
+    setting_row<server_options>{"store_ha_etcd", "KVLINK_STORE_HA_ETCD", setting_kind::text,
+                                &server_options::ha_etcd,
+                                "stand for election among masters through etcd: "
+                                "etcd://host:2379[,host:2379] (\"\" = serve alone)"},
+    setting_row<server_options>{"store_ha_cluster", "KVLINK_STORE_HA_CLUSTER", setting_kind::text,
+                                &server_options::ha_cluster,
+                                "the cluster masters lead and clients name (Mooncake cluster_id)"},
+    setting_row<server_options>{"store_ha_leader_ttl", "KVLINK_STORE_HA_LEADER_TTL",
+                                setting_kind::duration, &server_options::ha_leader_ttl,
+                                "the leader's etcd lease: a dead leader is replaced this long "
+                                "after (at least 1 s)"},
+    setting_row<server_options>{"store_ha_advertise", "KVLINK_STORE_HA_ADVERTISE",
+                                setting_kind::text, &server_options::ha_advertise,
+                                "address clients dial when this master leads (\"\" = "
+                                "store_listen's, which must not be a wildcard)"},
 };
 
 /// Everything a master program is configured with.
