@@ -4,23 +4,14 @@
 // their codes.
 #include <kvlink/store/error.hpp>
 
-#include <atomic>
-#include <cerrno>
 #include <chrono>
 #include <memory>
-#include <mutex>
-#include <stdexcept>
 #include <string>
-#include <system_error>
 #include <thread>
 #include <vector>
 
-#include "../support/peer_process.hpp"
-#include <asio/io_context.hpp>
-#include <asio/ip/tcp.hpp>
+#include "processes.hpp"
 #include <doctest/doctest.h>
-#include <stdlib.h>
-#include <unistd.h>
 
 #ifndef KVLINK_MASTER_PATH
 #error "KVLINK_MASTER_PATH and KVLINK_STORE_PEER_PATH are set by test/store/CMakeLists.txt"
@@ -28,38 +19,7 @@
 
 namespace {
 
-using kvlink_test::peer_process;
-using namespace std::chrono_literals;
-
-// "<category>:<value>" as kvlink_store_peer prints it.
-std::string code(kvlink::store_errc e) {
-  return std::string("kvlink.store:").append(std::to_string(static_cast<int>(e)));
-}
-
-// A port free now (bound and released), for a master that must come back
-// on the same address.
-std::uint16_t free_port() {
-  asio::io_context io;
-  asio::ip::tcp::acceptor a(io, {asio::ip::make_address("127.0.0.1"), 0});
-  return a.local_endpoint().port();
-}
-
-// A file that is removed with this object.
-struct temp_file {
-  explicit temp_file(const std::string& text) {
-    char name[] = "/tmp/kvlink_store_test_XXXXXX";
-    const int fd = ::mkstemp(name);
-    if (fd < 0) throw std::system_error(errno, std::generic_category(), "mkstemp");
-    path = name;
-    const auto n = ::write(fd, text.data(), text.size());
-    ::close(fd);
-    if (n != static_cast<ssize_t>(text.size())) throw std::runtime_error("write " + path);
-  }
-  ~temp_file() { ::unlink(path.c_str()); }
-  temp_file(const temp_file&) = delete;
-  temp_file& operator=(const temp_file&) = delete;
-  std::string path;
-};
+using namespace kvlink_store_test;
 
 // A kvlink-master process with short liveness timeouts, so the tests see
 // clients declared gone within seconds.
@@ -86,30 +46,6 @@ struct master {
   peer_process proc;
   std::string address;
 };
-
-peer_process client(const std::string& master, std::uint64_t mount = 64u << 20,
-                    std::string secret = {}) {
-  std::vector<std::string> a{"--master", master, "--mount", std::to_string(mount)};
-  if (!secret.empty()) {
-    a.push_back("--secret");
-    a.push_back(secret);
-  }
-  return peer_process(KVLINK_STORE_PEER_PATH, a, "READY ");
-}
-
-// Repeats `line` until its answer starts with `want` or `limit` passes;
-// returns the last answer.
-std::string until(peer_process& p, const std::string& line, const std::string& want,
-                  std::chrono::seconds limit = 15s) {
-  const auto end = std::chrono::steady_clock::now() + limit;
-  std::string last;
-  do {
-    last = p.command(line);
-    if (last.rfind(want, 0) == 0) return last;
-    std::this_thread::sleep_for(100ms);
-  } while (std::chrono::steady_clock::now() < end);
-  return last;
-}
 
 }  // namespace
 
@@ -235,75 +171,20 @@ TEST_CASE("store: the master SIGKILLed under a put and get load loses no complet
   auto w1 = client(m->address, 8u << 20);  // its own segment too: copies, not transfers
   auto w2 = client(m->address, 0);
   auto r = client(m->address, 0);
-  std::mutex mu;
-  std::vector<std::string> acked;  // "key size seed"
-  std::atomic<bool> stop{false};
-  std::atomic<int> bad_reads{0}, reads{0};
-  auto writer = [&](peer_process& p, const std::string& prefix, int replicas) {
-    // At most 1,500 puts of 1-21 KB each: a third of the pool, far from
-    // eviction (an evicted object is gone on purpose).
-    for (int i = 0; !stop && i < 1500; ++i) {
-      const std::string key = prefix + std::to_string(i);
-      const std::string size = std::to_string(1000 + (i * 7919) % 20000);
-      const std::string seed = std::to_string(i % 250);
-      const std::string line = "PUT " + key + " " + size + " " + seed;
-      if (p.command(line + (i % 3 == 0 ? " " + std::to_string(replicas) : "")) == "OK") {
-        std::lock_guard lock{mu};
-        acked.push_back(key + " " + size + " " + seed);
-      }
-      std::this_thread::sleep_for(2ms);
+  const auto out = kvlink_store_test::put_get_load(w1, w2, r, [&] {
+    for (int round = 0; round < 2; ++round) {
+      std::this_thread::sleep_for(1500ms);
+      m.reset();  // SIGKILL
+      std::this_thread::sleep_for(300ms);
+      m = std::make_unique<master>(port);
     }
-  };
-  std::thread t1([&] { writer(w1, "w1-", 2); });
-  std::thread t2([&] { writer(w2, "w2-", 2); });
-  std::thread reader([&] {
-    while (!stop) {
-      std::string pick;
-      {
-        std::lock_guard lock{mu};
-        if (!acked.empty()) pick = acked[static_cast<std::size_t>(reads.load()) % acked.size()];
-      }
-      if (pick.empty()) {
-        std::this_thread::sleep_for(5ms);
-        continue;
-      }
-      const auto sp = pick.find(' ');
-      const auto sp2 = pick.rfind(' ');
-      const std::string answer =
-          r.command("GET " + pick.substr(0, sp) + " " + pick.substr(sp2 + 1));
-      ++reads;
-      // While the master is down or rebuilding a get may fail; it must never
-      // return other bytes.
-      if (answer.rfind("BAD", 0) == 0) ++bad_reads;
-    }
-  });
-  for (int round = 0; round < 2; ++round) {
     std::this_thread::sleep_for(1500ms);
-    m.reset();  // SIGKILL
-    std::this_thread::sleep_for(300ms);
-    m = std::make_unique<master>(port);
-  }
-  std::this_thread::sleep_for(1500ms);
-  stop = true;
-  t1.join();
-  t2.join();
-  reader.join();
-  CHECK(bad_reads == 0);
-  REQUIRE(acked.size() > 50);
-  MESSAGE(acked.size() << " puts acknowledged, " << reads.load() << " gets");
-  std::size_t lost = 0;
-  for (const auto& e : acked) {
-    const auto sp = e.find(' ');
-    const auto sp2 = e.rfind(' ');
-    const std::string key = e.substr(0, sp);
-    // The first waits for the rebuild; a lost one fails at once after it.
-    const std::string answer =
-        until(r, "GET " + key + " " + e.substr(sp2 + 1), "OK", lost == 0 ? 10s : 0s);
-    if (answer != "OK " + e.substr(sp + 1, sp2 - sp - 1)) {
-      if (++lost <= 5) MESSAGE(key << ": " << answer);
-    }
-  }
-  CHECK(lost == 0);
+  });
+  CHECK(out.bad_reads == 0);
+  REQUIRE(out.acked > 50);
+  MESSAGE(out.acked << " puts acknowledged, " << out.reads << " gets");
+  for (const auto& e : out.lost_examples) MESSAGE(e);
+  CHECK(out.lost == 0);
   for (auto* p : {&a, &d, &w1, &w2, &r}) CHECK(p->finish() == 0);
 }
 

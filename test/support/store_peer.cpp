@@ -1,8 +1,8 @@
 // kvlink_store_peer: a store client in its own process, for the store's
-// multi-process tests (test/store/store_test.cpp).
+// multi-process tests (test/store/store_test.cpp, failover_test.cpp).
 //
-//   kvlink_store_peer --master HOST:PORT [--mount BYTES] [--buffer BYTES]
-//                     [--secret S] [--transports LIST]
+//   kvlink_store_peer --master HOST:PORT|etcd://HOST:PORT [--cluster C]
+//                     [--mount BYTES] [--buffer BYTES] [--secret S] [--transports LIST]
 //
 // Starts an engine on 127.0.0.1:0, registers a work buffer (--buffer, default
 // 64 MiB) to put from and get into, connects a kvlink::store::client to the
@@ -66,7 +66,7 @@ std::uint64_t first_bad(const std::byte* p, std::uint64_t len, std::uint64_t see
 }  // namespace
 
 int main(int argc, char** argv) {
-  std::string master;
+  std::string master, cluster;
   std::uint64_t mount = 64u << 20;
   std::uint64_t buffer = 64u << 20;
   kvlink::config cfg{.listen = "127.0.0.1:0"};
@@ -75,6 +75,8 @@ int main(int argc, char** argv) {
     const std::string value = argv[i + 1];
     if (arg == "--master") {
       master = value;
+    } else if (arg == "--cluster") {
+      cluster = value;
     } else if (arg == "--mount") {
       mount = std::stoull(value);
     } else if (arg == "--buffer") {
@@ -98,7 +100,9 @@ int main(int argc, char** argv) {
   {
     kvlink::engine eng{io.get_executor(), cfg};
     eng.register_segment(work.data(), work.size());
-    kvlink::store::client client{eng, {.master = master}};
+    kvlink::store::client_options copt{.master = master};
+    if (!cluster.empty()) copt.cluster = cluster;
+    kvlink::store::client client{eng, copt};
     try {
       client.async_connect(asio::use_future).get();
       if (mount != 0) client.async_mount(pool.data(), pool.size(), asio::use_future).get();

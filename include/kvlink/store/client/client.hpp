@@ -70,7 +70,9 @@
 #include <kvlink/detail/log.hpp>
 #include <kvlink/engine.hpp>
 #include <kvlink/memory/device.hpp>
+#include <kvlink/metadata/etcd.hpp>
 #include <kvlink/store/error.hpp>
+#include <kvlink/store/wire/leader.hpp>
 #include <kvlink/store/wire/protocol.hpp>
 #include <kvlink/store/wire/record.hpp>
 
@@ -108,8 +110,13 @@
 namespace kvlink::store {
 
 struct client_options {
-  /// The master's "host:port".
+  /// The master's "host:port", or "etcd://host:2379[,host:2379]" where
+  /// masters stand for election (kvlink-master --ha-etcd): the leader of
+  /// `cluster` is read from etcd at every connection (wire/leader.hpp).
   std::string master = "127.0.0.1:50051";
+  /// With an etcd master: the cluster whose leader to follow ("" =
+  /// $MC_STORE_CLUSTER_ID, else "mooncake_cluster", as the master's default).
+  std::string cluster{};
   /// The shared secret; empty: the engine's (config.auth_secret or
   /// auth_secret_file), which is what a cluster normally shares.
   std::string auth_secret{};
@@ -763,6 +770,7 @@ class client_state : public std::enable_shared_from_this<client_state> {
   // The destructor's: no more operations, no I/O, the engine untouched.
   void abandon() {
     closed_ = true;
+    if (etcd_) etcd_->shutdown();
     drop_connection(make_error_code(errc::cancelled));
     tick_.cancel();
   }
@@ -787,6 +795,7 @@ class client_state : public std::enable_shared_from_this<client_state> {
     }
     mounts_.clear();
     drop_arena_now();  // a batch still writing from it fails with not_registered
+    if (etcd_) etcd_->shutdown();
     drop_connection(make_error_code(errc::cancelled));
     tick_.cancel();
     co_return std::error_code{};
@@ -1165,10 +1174,47 @@ class client_state : public std::enable_shared_from_this<client_state> {
 
   // Connects and authenticates; mounts our segments again when the master
   // does not know us.
+  // The leader etcd names for our cluster ("" none), or the error.
+  asio::awaitable<std::error_code> find_leader(std::string& out) {
+    out.clear();
+    if (!etcd_) {
+      std::vector<std::string> endpoints;
+      if (!wire::parse_etcd_endpoints(opt_.master, endpoints)) {
+        co_return make_error_code(errc::invalid_argument);
+      }
+      etcd_ = std::make_unique<kvlink::detail::etcd_client>(
+          strand_, kvlink::detail::etcd_client::options{
+                       std::move(endpoints), nullptr, {}, {}, opt_.connect_timeout});
+    }
+    nlohmann::json got;
+    std::string what;
+    const nlohmann::json range{{"key", kvlink::detail::http::base64_encode(wire::leader_key(
+                                           wire::cluster_or_default(opt_.cluster)))}};
+    if (co_await etcd_->call("/v3/kv/range", range, got, what)) {
+      (void)unreachable("etcd: " + what);
+      co_return make_error_code(store_errc::rpc_failed);
+    }
+    const auto kvs = got.value("kvs", nlohmann::json::array());
+    if (!kvs.empty()) {
+      out = kvlink::detail::http::base64_decode(kvs[0].value("value", std::string{})).value_or("");
+    }
+    co_return std::error_code{};
+  }
+
   asio::awaitable<std::error_code> dial() {
     std::string_view host;
     std::uint16_t port = 0;
-    if (!split_host_port(opt_.master, host, port)) {
+    if (wire::names_etcd(opt_.master)) {
+      if (auto ec = co_await find_leader(master_address_)) co_return ec;
+      if (closed_) co_return make_error_code(errc::cancelled);
+      if (master_address_.empty()) {
+        co_return unreachable("etcd names no leader of cluster \"" +
+                              wire::cluster_or_default(opt_.cluster) + "\" yet");
+      }
+    } else {
+      master_address_ = opt_.master;
+    }
+    if (!split_host_port(master_address_, host, port)) {
       co_return make_error_code(errc::invalid_argument);
     }
     asio::ip::tcp::resolver resolver(strand_);
@@ -1189,7 +1235,7 @@ class client_state : public std::enable_shared_from_this<client_state> {
     if (ec == errc::peer_unreachable) co_return unreachable("no answer");
     if (ec == errc::peer_closed) co_return unreachable("the connection was lost in the handshake");
     if (ec) {
-      log_once("store: the master at {} refused this client: {}{}", opt_.master, ec.message(),
+      log_once("store: the master at {} refused this client: {}{}", master_address_, ec.message(),
                ec == errc::invalid_argument ? " (is it a kvlink engine, not a store master?)" : "");
       co_return ec == errc::authentication_failed || ec == errc::protocol_version_mismatch
           ? ec
@@ -1212,7 +1258,7 @@ class client_state : public std::enable_shared_from_this<client_state> {
     socket_ = std::move(sock);
     connected_ = true;
     if (logged_unreachable_) {
-      kvlink::detail::log("store: reached the master at {} again{}", opt_.master,
+      kvlink::detail::log("store: reached the master at {} again{}", master_address_,
                           known ? "" : " (it did not know this client: mounting again)");
     }
     logged_unreachable_ = false;
@@ -1221,7 +1267,7 @@ class client_state : public std::enable_shared_from_this<client_state> {
       for (auto& m : mounts_) {
         if (auto mec = co_await mount_at_master(m, true)) {
           kvlink::detail::log("store: mounting a segment again at the master {} failed: {}",
-                              opt_.master, mec.message());
+                              master_address_, mec.message());
         }
       }
       locations_.clear();
@@ -1238,11 +1284,17 @@ class client_state : public std::enable_shared_from_this<client_state> {
     std::erase_if(locations_, [](const auto& kv) { return kv.second.local != nullptr; });
   }
 
+  std::string where() const {
+    if (!wire::names_etcd(opt_.master)) return opt_.master;
+    return (master_address_.empty() ? std::string("(none yet)") : master_address_) +
+           " (leader of \"" + wire::cluster_or_default(opt_.cluster) + "\" in " + opt_.master + ")";
+  }
+
   std::error_code unreachable(std::string_view why) {
     if (!logged_unreachable_) {
       logged_unreachable_ = true;
       kvlink::detail::log("store: the master at {} cannot be reached ({}); retrying every {} ms",
-                          opt_.master, why, opt_.reconnect_interval.count());
+                          where(), why, opt_.reconnect_interval.count());
     }
     return make_error_code(store_errc::rpc_failed);
   }
@@ -1295,7 +1347,7 @@ class client_state : public std::enable_shared_from_this<client_state> {
       if (auto dec = wire::decode_header(hb, self->opt_.max_body, h); dec || !h.is_reply()) {
         kvlink::detail::log(
             "store: the master at {} sent a frame this client cannot read ({}); reconnecting",
-            self->opt_.master, dec ? dec.message() : std::string("not a reply"));
+            self->master_address_, dec ? dec.message() : std::string("not a reply"));
         why = dec ? dec : make_error_code(errc::malformed_message);
         break;
       }
@@ -1365,14 +1417,30 @@ class client_state : public std::enable_shared_from_this<client_state> {
     wire::writer w(wire::message_type::heartbeat, 0, false);
     std::string body;
     std::string frame = w.take();
-    if (co_await self->request(std::move(frame), body)) co_return;
+    if (const auto ec = co_await self->request(std::move(frame), body)) {
+      // A master that stopped answering (hung, cut off) may have been
+      // replaced: leave it when etcd names another leader.
+      if (ec == store_errc::rpc_timeout && wire::names_etcd(self->opt_.master) && !self->closed_) {
+        const std::string was = self->master_address_;
+        std::string now;
+        if (!co_await self->find_leader(now) && !now.empty() && now != was &&
+            self->master_address_ == was && self->connected_) {
+          kvlink::detail::log(
+              "store: the master at {} does not answer and etcd names {} the "
+              "leader now: reconnecting",
+              was, now);
+          self->drop_connection(make_error_code(store_errc::rpc_failed));
+        }
+      }
+      co_return;
+    }
     wire::reader r(body);
     const bool known = r.u8() != 0;
     if (r.finish() || known || self->closed_) co_return;
     // The master forgot us (it declared this client gone): mount again.
     kvlink::detail::log(
         "store: the master at {} no longer knows this client; mounting its segments again",
-        self->opt_.master);
+        self->master_address_);
     self->forget_mounts();
     for (auto& m : self->mounts_) (void)co_await self->mount_at_master(m, true);
     self->locations_.clear();
@@ -1386,6 +1454,8 @@ class client_state : public std::enable_shared_from_this<client_state> {
   control::peer_guard guard_;
   std::string host_;
 
+  std::unique_ptr<kvlink::detail::etcd_client> etcd_;  // with an etcd:// master
+  std::string master_address_;                         // the master dialled last
   std::shared_ptr<asio::ip::tcp::socket> socket_;
   bool connected_ = false;
   bool connecting_ = false;
