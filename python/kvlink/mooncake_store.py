@@ -410,7 +410,10 @@ class MooncakeDistributedStore:
               enable_ssd_offload: bool = False, ssd_offload_path: str = "",
               tenant_id: str = "default", enable_client_http_server: bool = False,
               client_http_port: int = 9300) -> int:
-        """Connects to the master at master_server_addr ("host:port") with
+        """Connects to the master at master_server_addr ("host:port", or
+        "etcd://host:2379[;host:2379]" where masters stand for election:
+        the leader of $MC_STORE_CLUSTER_ID's cluster, else
+        "mooncake_cluster", followed across failovers) with
         an engine listening on local_hostname's address, and mounts
         global_segment_size bytes (0: none, a pure requester). 0 or -1.
 
@@ -421,7 +424,7 @@ class MooncakeDistributedStore:
         master are required; other keys are ignored (LMCache passes its
         own). The metadata server is not used: kvlink's master tells the
         clients where each other's memory is. -1, with the reason logged,
-        for what kvlink does not do: an etcd master, a protocol other than
+        for what kvlink does not do: a redis:// master, a protocol other than
         tcp/rdma, enable_ssd_offload, a tenant other than "default", the
         client HTTP server."""
         if isinstance(local_hostname, Mapping):
@@ -475,8 +478,10 @@ class MooncakeDistributedStore:
         if enable_client_http_server:
             log.error("setup: enable_client_http_server: kvlink's client serves no HTTP")
             return INTERNAL_ERROR
-        if not isinstance(master_server_addr, str) or "://" in master_server_addr:
-            log.error("setup: master %s: kvlink finds its master by host:port only",
+        if not isinstance(master_server_addr, str) or (
+                "://" in master_server_addr and not master_server_addr.startswith("etcd://")):
+            log.error("setup: master %s: kvlink finds its master by host:port, or its elected "
+                      "leader through etcd (\"etcd://host:2379[;host:2379]\")",
                       master_server_addr)
             return INTERNAL_ERROR
         if protocol not in ("tcp", "rdma"):

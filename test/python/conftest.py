@@ -8,8 +8,13 @@ interpreter; by hand:
 import importlib
 import json
 import os
+import shutil
+import socket
 import subprocess
 import sys
+import tempfile
+import time
+import urllib.request
 from pathlib import Path
 
 import pytest
@@ -64,3 +69,52 @@ def peer_process():
     p = PeerProcess()
     yield p
     p.close()
+
+
+# A real etcd (Debian's etcd-server) for the modules that need one; skipped
+# where it is not installed, failed then under KVLINK_REQUIRE_ETCD=1 (CI).
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def wait_until(check, what: str, limit: float = 20.0) -> None:
+    end = time.monotonic() + limit
+    while time.monotonic() < end:
+        try:
+            if check():
+                return
+        except OSError:
+            pass
+        time.sleep(0.1)
+    raise RuntimeError(f"{what} did not start within {limit} s")
+
+
+@pytest.fixture(scope="module")
+def etcd():
+    binary = os.environ.get("KVLINK_ETCD") or shutil.which("etcd")
+    if not binary:
+        if os.environ.get("KVLINK_REQUIRE_ETCD") == "1":
+            pytest.fail("KVLINK_REQUIRE_ETCD=1 but etcd is not installed (Debian: etcd-server)")
+        pytest.skip("etcd is not installed (Debian: etcd-server)")
+    client, peer = free_port(), free_port()
+    with tempfile.TemporaryDirectory(prefix="kvlink-etcd-") as d:
+        log = open(os.path.join(d, "etcd.log"), "w")
+        proc = subprocess.Popen(
+            [binary, "--name", "m0", "--data-dir", os.path.join(d, "data"),
+             "--listen-client-urls", f"http://127.0.0.1:{client}",
+             "--advertise-client-urls", f"http://127.0.0.1:{client}",
+             "--listen-peer-urls", f"http://127.0.0.1:{peer}",
+             "--initial-advertise-peer-urls", f"http://127.0.0.1:{peer}",
+             "--initial-cluster", f"m0=http://127.0.0.1:{peer}"],
+            stdout=log, stderr=subprocess.STDOUT)
+        try:
+            wait_until(lambda: b"true" in urllib.request.urlopen(
+                f"http://127.0.0.1:{client}/health", timeout=1).read(), "etcd")
+            yield f"127.0.0.1:{client}"
+        finally:
+            proc.terminate()
+            proc.wait(timeout=10)
+            log.close()

@@ -4,14 +4,8 @@ server of test/metadata (Mooncake's protocol). Engines publish themselves
 under their local_hostname and reach each other by it. Skipped where etcd is
 not installed."""
 
-import os
-import shutil
-import socket
 import subprocess
 import sys
-import tempfile
-import time
-import urllib.request
 from pathlib import Path
 
 import numpy as np
@@ -19,53 +13,9 @@ import pytest
 
 from kvlink.mooncake import TransferEngine
 
+from conftest import free_port  # and the etcd fixture (conftest.py)
+
 HTTP_SERVER = Path(__file__).resolve().parents[1] / "metadata" / "http_metadata_server.py"
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def wait_until(check, what: str, limit: float = 20.0) -> None:
-    end = time.monotonic() + limit
-    while time.monotonic() < end:
-        try:
-            if check():
-                return
-        except OSError:
-            pass
-        time.sleep(0.1)
-    raise RuntimeError(f"{what} did not start within {limit} s")
-
-
-@pytest.fixture(scope="module")
-def etcd():
-    binary = os.environ.get("KVLINK_ETCD") or shutil.which("etcd")
-    if not binary:
-        if os.environ.get("KVLINK_REQUIRE_ETCD") == "1":
-            pytest.fail("KVLINK_REQUIRE_ETCD=1 but etcd is not installed (Debian: etcd-server)")
-        pytest.skip("etcd is not installed (Debian: etcd-server)")
-    client, peer = free_port(), free_port()
-    with tempfile.TemporaryDirectory(prefix="kvlink-etcd-") as d:
-        log = open(os.path.join(d, "etcd.log"), "w")
-        proc = subprocess.Popen(
-            [binary, "--name", "m0", "--data-dir", os.path.join(d, "data"),
-             "--listen-client-urls", f"http://127.0.0.1:{client}",
-             "--advertise-client-urls", f"http://127.0.0.1:{client}",
-             "--listen-peer-urls", f"http://127.0.0.1:{peer}",
-             "--initial-advertise-peer-urls", f"http://127.0.0.1:{peer}",
-             "--initial-cluster", f"m0=http://127.0.0.1:{peer}"],
-            stdout=log, stderr=subprocess.STDOUT)
-        try:
-            wait_until(lambda: b"true" in urllib.request.urlopen(
-                f"http://127.0.0.1:{client}/health", timeout=1).read(), "etcd")
-            yield f"127.0.0.1:{client}"
-        finally:
-            proc.terminate()
-            proc.wait(timeout=10)
-            log.close()
 
 
 @pytest.fixture(scope="module")

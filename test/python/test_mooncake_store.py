@@ -243,7 +243,7 @@ def test_cuda_tensors_move_like_host_memory(master, peer):
 def test_setup_failures_give_minus_one(master):
     s = MooncakeDistributedStore()
     assert s.setup("127.0.0.1", "P2PHANDSHAKE", 0, 0, "tcp", "", "127.0.0.1:1") == -1
-    assert s.setup("127.0.0.1", "P2PHANDSHAKE", 0, 0, "tcp", "", "etcd://127.0.0.1:2379") == -1
+    assert s.setup("127.0.0.1", "P2PHANDSHAKE", 0, 0, "tcp", "", "redis://127.0.0.1:6379") == -1
     assert s.setup("127.0.0.1", "P2PHANDSHAKE", "lots", 0, "tcp", "", master) == -1
     assert s.setup("127.0.0.1", "P2PHANDSHAKE", 0, 0, "nvlink", "", master) == -1
     assert s.put("k", b"v") == -600 and s.get("k") == b"" and s.is_exist("k") == -1

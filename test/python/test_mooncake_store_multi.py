@@ -3,20 +3,23 @@
 into one object, scattered back into other block ids) and its setup from a
 dict, a MOONCAKE_CONFIG_PATH file and MOONCAKE_* variables, against a real
 kvlink-master (KVLINK_MASTER; skipped without it) and a second process that
-holds the pool's memory, every byte checked."""
+holds the pool's memory, every byte checked; and setup through etcd with
+masters standing for election (skipped without etcd)."""
 
 import concurrent.futures
 import dataclasses
 import json
 import os
+import queue
 import subprocess
 import sys
+import time
 
 import numpy as np
 import pytest
 
 from kvlink.mooncake_store import MooncakeConfig, MooncakeDistributedStore, ReplicateConfig
-from store_support import HERE, WAIT, StorePeer, master, peer, start_master, stop  # noqa: F401
+from store_support import HERE, WAIT, LineReader, StorePeer, master, peer, start_master, stop  # noqa: F401,E501
 from store_support import mooncake_store as store  # noqa: F401 (a fixture)
 
 PEER_SEGMENT = 16 << 20  # the peer process's segment (the peer fixture)
@@ -215,7 +218,7 @@ def test_setup_dict_form_refusals(master):
     assert s.setup(dict(base, enable_ssd_offload="maybe")) == -1
     assert s.setup(dict(base, tenant_id="other")) == -1
     assert s.setup(dict(base, global_segment_size="lots")) == -1
-    assert s.setup(dict(base, master_server_addr="etcd://127.0.0.1:2379")) == -1
+    assert s.setup(dict(base, master_server_addr="redis://127.0.0.1:6379")) == -1
     assert s.setup(dict(base, protocol="nvlink")) == -1
     assert s.setup(base, "P2PHANDSHAKE") == -1
     assert s.is_exist("k") == -1  # none of them set it up
@@ -389,3 +392,57 @@ def test_sglang_hicache_pattern(master, peer):
         assert s.unregister_buffer(base) == 0
     finally:
         assert s.close() == 0
+
+
+def test_setup_through_etcd_follows_the_elected_master(etcd, monkeypatch):
+    """Two kvlink-masters stand for election through a real etcd; setup()
+    names etcd (Mooncake's HA form, cluster from MC_STORE_CLUSTER_ID). The
+    leader is SIGKILLed: the standby leads, the client follows it and its
+    object comes back from its own segment's records."""
+    path = os.environ.get("KVLINK_MASTER")
+    if not path:
+        pytest.skip("KVLINK_MASTER (the kvlink-master program) is not set")
+    cluster = f"py{os.getpid()}"
+    monkeypatch.setenv("MC_STORE_CLUSTER_ID", cluster)
+    env = dict(os.environ, KVLINK_STORE_HA_LEADER_TTL="2s")
+    procs = [subprocess.Popen([path, "--listen", "127.0.0.1:0", "--threads", "2", "--enable_ha",
+                               "--etcd_endpoints", etcd], env=env, stdout=subprocess.PIPE,
+                              stderr=subprocess.DEVNULL, text=True) for _ in range(2)]
+    readers = [LineReader(p.stdout) for p in procs]
+    try:
+        for r in readers:
+            assert r.next("standing line").startswith(
+                f"kvlink-master: standing for election in cluster {cluster} as ")
+
+        def leader():  # the index of the one that says it leads
+            deadline = time.monotonic() + WAIT
+            while time.monotonic() < deadline:
+                for i, r in enumerate(readers):
+                    try:
+                        line = r.lines.get(timeout=0.05)
+                    except queue.Empty:
+                        continue
+                    if line.startswith(f"kvlink-master: leading cluster {cluster}; "):
+                        return i
+            pytest.fail("no master says it leads")
+
+        first = leader()
+        s = MooncakeDistributedStore()
+        assert s.setup("127.0.0.1", "P2PHANDSHAKE", "16MB", "16MB", "tcp", "",
+                       f"etcd://{etcd}") == 0
+        value = bytes(range(256)) * 40
+        assert s.put("ha/k", value) == 0
+        procs[first].kill()
+        procs[first].wait()
+        assert leader() == 1 - first
+        got = b""
+        deadline = time.monotonic() + WAIT
+        while got != value and time.monotonic() < deadline:
+            got = s.get("ha/k")
+            time.sleep(0.1)
+        assert got == value
+        assert s.put("ha/after", b"x" * 1000) == 0 and s.get("ha/after") == b"x" * 1000
+        assert s.close() == 0
+    finally:
+        for p in procs:
+            stop(p)
