@@ -6,6 +6,7 @@
 //   kvlink_store_bench --rows put-c1,get-c4-b --seconds 1 --clients 8
 //   kvlink_store_bench --transports tcp,shm --json out.json
 //   kvlink_store_bench --list                       # the rows' names
+//   kvlink_store_bench --rebuild 10000,100000,1000000   # master restarts (below)
 //
 // Two sections per transport:
 //  - ops: keys per second of 4 KiB put, get and exists from 1 client and from
@@ -24,6 +25,9 @@
 //    process's, into a segment of its own), measured right after; store/raw is
 //    the ratio.
 //
+// --rebuild replaces the sections: how long a restarted master takes to get
+// N objects back from their owner's records, against N (see rebuild()).
+//
 // Each client has its own engine; the engines share one io_context run by
 // --threads threads. The serving process is this program re-executed with the
 // hidden --serve role. Figures are steady state: the counts between a
@@ -40,6 +44,7 @@
 #include <csignal>
 #include <cstdint>
 #include <cstdio>
+#include <cstring>
 #include <fstream>
 #include <future>
 #include <memory>
@@ -57,6 +62,7 @@
 #include <CLI/CLI.hpp>
 #include <asio/executor_work_guard.hpp>
 #include <asio/io_context.hpp>
+#include <asio/ip/tcp.hpp>
 #include <asio/post.hpp>
 #include <asio/use_future.hpp>
 #include <fcntl.h>
@@ -103,6 +109,9 @@ struct options {
   std::uint64_t raw = 64 * mib;
   std::string json;
   bool list = false;
+  // --rebuild: master restarts against the number of keys.
+  std::string rebuild;
+  std::uint64_t rebuild_size = 1024;
   // The hidden serving role.
   bool serve = false;
   std::string master;
@@ -225,6 +234,129 @@ class child {
   std::string buffer_;
   std::string rest_;
 };
+
+// ------------------------------------------------------------------ rebuild
+
+/// Resident set of a process in bytes (VmRSS), 0 when unreadable.
+std::uint64_t rss_bytes(pid_t pid) {
+  std::ifstream in("/proc/" + std::to_string(pid) + "/status");
+  std::string line;
+  while (std::getline(in, line)) {
+    if (line.rfind("VmRSS:", 0) == 0) return std::stoull(line.substr(6)) * 1024;  // kB
+  }
+  return 0;
+}
+
+/// --rebuild N,N,...: for each N, a master child and one owner client in
+/// this process (its own segment); N objects of --rebuild-size bytes are put
+/// in batches, the master is SIGKILLed and started again on the same port,
+/// and the owner mounts again with its records. Prints per N: the put rate,
+/// the owner's scan of its segment (measured here, the same function the
+/// client runs), the time from the new master's ready line until its stats
+/// count N objects, and the master's RSS per key before and after.
+int rebuild(const options& o) {
+  std::vector<std::uint64_t> counts;
+  for (const auto n : kb::split_list(o.rebuild)) counts.push_back(std::stoull(std::string(n)));
+  asio::io_context io;
+  auto guard = asio::make_work_guard(io);
+  std::vector<std::thread> runners;
+  for (unsigned i = 0; i < std::max(1u, o.threads); ++i) runners.emplace_back([&io] { io.run(); });
+  fmt::print(
+      "# master restart with N objects of {} B in one owner's segment (this host, one client; "
+      "keys \"{}<16 hex>\")\n"
+      "# put k/s: batched puts of 1024; scan ms: the owner's scan of its segment for records; "
+      "rebuild s: new master ready -> its stats count N; RSS B/key: the master's resident set "
+      "per object before the kill and after the rebuild\n",
+      o.rebuild_size, key_prefix);
+  fmt::print("{:>9} {:>10} {:>10} {:>9} {:>11} {:>13} {:>13}\n", "N", "pool MiB", "put k/s",
+             "scan ms", "rebuild s", "RSS B/key", "RSS after");
+  int status = 0;
+  for (const auto n : counts) {
+    std::uint16_t port = 0;
+    {
+      asio::ip::tcp::acceptor a(io, {asio::ip::make_address("127.0.0.1"), 0});
+      port = a.local_endpoint().port();
+    }
+    const std::string listen = "127.0.0.1:" + std::to_string(port);
+    const std::vector<std::string> margs{"--listen", listen, "--threads",
+                                         std::to_string(o.master_threads)};
+    const std::string ready = "kvlink-master: listening on ";
+    auto m = std::make_unique<child>(o.master_bin, margs, ready, SIGKILL);
+    const std::uint64_t key_len = key_prefix.size() + 16;
+    const std::uint64_t foot = kvlink::store::wire::object_footprint(o.rebuild_size, key_len);
+    const std::uint64_t pool_bytes = (n * foot) / 10 * 12 + 16 * mib;  // below the watermark
+    kb::page_buffer pool(pool_bytes);
+    constexpr std::size_t batch = 1024;
+    kb::page_buffer src(batch * o.rebuild_size);
+    std::memset(src.data(), 0x5a, src.size());
+    double put_rate = 0, rebuild_s = 0, scan_ms = 0;
+    std::uint64_t rss_before = 0, rss_after = 0;
+    try {
+      kvlink::engine eng{io.get_executor(),
+                         kvlink::config{.listen = "127.0.0.1:0", .transports = o.transports}};
+      eng.register_segment(src.data(), src.size());
+      store::client c{eng, {.master = listen}};
+      c.async_mount(pool.data(), pool.size(), asio::use_future).get();
+      std::vector<std::string> keys(batch);
+      std::vector<std::string_view> views(batch);
+      std::vector<const void*> data(batch);
+      std::vector<std::uint64_t> sizes(batch, o.rebuild_size);
+      std::vector<std::error_code> results(batch);
+      const auto t0 = clock_type::now();
+      for (std::uint64_t done = 0; done < n;) {
+        const std::size_t k = static_cast<std::size_t>(std::min<std::uint64_t>(batch, n - done));
+        for (std::size_t i = 0; i < k; ++i) {
+          keys[i] = fmt::format("{}{:016x}", key_prefix, done + i);
+          views[i] = keys[i];
+          data[i] = src.data() + i * o.rebuild_size;
+        }
+        c.async_put_batch(std::span(views.data(), k), std::span(data.data(), k),
+                          std::span(sizes.data(), k), std::span(results.data(), k), {},
+                          std::span<const std::string_view>{}, asio::use_future)
+            .get();
+        for (std::size_t i = 0; i < k; ++i) {
+          if (results[i]) throw std::system_error(results[i], "put " + keys[i]);
+        }
+        done += k;
+      }
+      put_rate =
+          static_cast<double>(n) / std::chrono::duration<double>(clock_type::now() - t0).count();
+      rss_before = rss_bytes(m->pid());
+      m.reset();  // SIGKILL
+      m = std::make_unique<child>(o.master_bin, margs, ready, SIGKILL);
+      const auto up = clock_type::now();
+      for (;;) {
+        const auto st = c.async_stats(asio::use_future).get();
+        if (st.objects >= n) break;
+        if (clock_type::now() - up > 600s) throw std::runtime_error("no rebuild within 600 s");
+        std::this_thread::sleep_for(2ms);
+      }
+      rebuild_s = std::chrono::duration<double>(clock_type::now() - up).count();
+      rss_after = rss_bytes(m->pid());
+      const auto s0 = clock_type::now();
+      std::uint64_t found = 0;
+      (void)kvlink::store::wire::scan_records(
+          pool.data(), pool.size(), 65535, false, false,
+          [&](const kvlink::store::wire::found_object&) { ++found; });
+      scan_ms = std::chrono::duration<double, std::milli>(clock_type::now() - s0).count();
+      if (found != n) throw std::runtime_error(fmt::format("the scan found {} of {}", found, n));
+      c.async_close(asio::use_future).get();
+    } catch (const std::exception& e) {
+      std::fprintf(stderr, "kvlink_store_bench --rebuild %llu: %s\n",
+                   static_cast<unsigned long long>(n), e.what());
+      status = 1;
+      continue;
+    }
+    fmt::print("{:>9} {:>10.0f} {:>10.1f} {:>9.1f} {:>11.3f} {:>13.0f} {:>13.0f}\n", n,
+               static_cast<double>(pool_bytes) / static_cast<double>(mib), put_rate / 1e3, scan_ms,
+               rebuild_s, static_cast<double>(rss_before) / static_cast<double>(n),
+               static_cast<double>(rss_after) / static_cast<double>(n));
+    std::fflush(stdout);
+  }
+  guard.reset();
+  for (auto& t : runners) t.join();
+  return status;
+}
 
 // ------------------------------------------------------------------ the serving role
 
@@ -818,11 +950,17 @@ int main(int argc, char** argv) {
       ->capture_default_str();
   app.add_option("--json", o.json, "also write the results to this file");
   app.add_flag("--list", o.list, "print the rows' names and exit");
+  app.add_option("--rebuild", o.rebuild,
+                 "instead of the rows: master restarts with these numbers of objects "
+                 "(e.g. 10000,100000,1000000)");
+  app.add_option("--rebuild-size", o.rebuild_size, "bytes per object of --rebuild")
+      ->capture_default_str();
   app.add_flag("--serve", o.serve)->group("");
   app.add_option("--master", o.master)->group("");
   CLI11_PARSE(app, argc, argv);
 
   if (o.serve) return serve(o);
+  if (!o.rebuild.empty()) return rebuild(o);
 
   std::vector<unsigned> depths;
   for (const auto d : kb::split_list(o.depths))

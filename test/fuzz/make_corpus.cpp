@@ -406,6 +406,18 @@ void store_wire() {
   p += store_step(0, mt::stats, [](wire::writer&) {});
   put("store_wire", "mount_put_get_remove", p);
 
+  // A segment announced in two frames: mounted closed with one object, then
+  // an adopt with another that opens it; then a put into it.
+  std::string a = store_step(0, mt::mount, [](wire::writer& w) {
+    wire::mount_request{"seg1", 1 << 16, 3, {{"k1", 0, 100}}, false}.encode(w);
+  });
+  a += store_step(0, mt::adopt, [](wire::writer& w) {
+    wire::adopt_request{1, {{"k2", 1024, 200}}, true}.encode(w);
+  });
+  a += store_step(0, mt::put_start, puts);
+  a += store_step(1, mt::get, keys({"k1", "k2"}, false, false));
+  put("store_wire", "mount_closed_adopt", a);
+
   std::string q = store_step(1, mt::put_start, puts);
   q += store_step(0, mt::put_end, keys({"a"}, false, false));  // not the writer
   q += store_step(1, mt::put_revoke, keys({"a", "b"}, false, false));

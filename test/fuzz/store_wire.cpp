@@ -102,6 +102,7 @@ void decoders(std::string_view in) {
   round_trip<wire::placement_list>(in, false);
   round_trip<wire::placement_list>(in, true);
   round_trip<wire::mount_request>(in);
+  round_trip<wire::adopt_request>(in);
   round_trip<wire::segment_location>(in);
   round_trip<wire::stats_reply>(in);
   records(in);
@@ -169,6 +170,15 @@ void check_reply(const std::string& reply, const wire::frame_header& req,
       wire::mount_request m;
       KVLINK_FUZZ_CHECK(!m.decode(q));
       KVLINK_FUZZ_CHECK(taken.codes.size() == m.objects.size());
+      break;
+    }
+    case wire::message_type::adopt: {
+      wire::code_list taken;  // one code per object announced
+      KVLINK_FUZZ_CHECK(!taken.decode(r));
+      wire::reader q(body);
+      wire::adopt_request a;
+      KVLINK_FUZZ_CHECK(!a.decode(q));
+      KVLINK_FUZZ_CHECK(taken.codes.size() == a.objects.size());
       break;
     }
     case wire::message_type::remove_all:

@@ -24,10 +24,11 @@ using namespace kvlink_store_test;
 // A kvlink-master process with short liveness timeouts, so the tests see
 // clients declared gone within seconds.
 struct master {
-  explicit master(std::uint16_t port = 0, const std::string& secret = {}, bool records = true)
+  explicit master(std::uint16_t port = 0, const std::string& secret = {}, bool records = true,
+                  const std::string& more_settings = {})
       : config(std::string(R"({"store_heartbeat_interval": "100ms", "store_suspect_after": "400ms",
                    "store_liveness_timeout": "1500ms", "store_object_records": )") +
-               (records ? "true}" : "false}")),
+               (records ? "true" : "false") + more_settings + "}"),
         secret_file(secret.empty() ? "unused" : secret),
         proc(KVLINK_MASTER_PATH, args(port, secret.empty()), "kvlink-master: listening on ") {
     address = proc.address().substr(0, proc.address().find(' '));
@@ -140,6 +141,33 @@ TEST_CASE("store: the master restarted: clients mount again and their objects co
   CHECK(a.command("GET after 3") == "OK 4096");
   CHECK(b.command("GET before 1") == "OK 4096");
   CHECK(b.command("EXISTS during") == "NO");
+  CHECK(a.finish() == 0);
+  CHECK(b.finish() == 0);
+}
+
+// 1,000 objects whose announcement is larger than the master takes in one
+// frame (store_max_body 8 KiB: about 150 objects a frame): the owner mounts
+// its segment closed and announces the rest in adopt frames; all come back,
+// and nothing is placed in the segment before the last frame.
+TEST_CASE("store: a restarted master takes back more objects than one frame announces") {
+  const auto port = free_port();
+  const std::string small = R"(, "store_max_body": 8192)";
+  auto m = std::make_unique<master>(port, std::string{}, true, small);
+  auto a = client(m->address);
+  auto b = client(m->address, 0);
+  for (int i = 0; i < 10; ++i) {
+    const std::string batch = "PUTB 100 many" + std::to_string(i) + "- 1000 " + std::to_string(i);
+    REQUIRE(b.command(batch) == "OK");
+  }
+  m.reset();
+  m = std::make_unique<master>(port, std::string{}, true, small);
+  CHECK(until(b, "GET many0-0 0", "OK") == "OK 1000");
+  for (int i = 0; i < 10; ++i) {
+    CHECK(b.command("GETB 100 many" + std::to_string(i) + "- " + std::to_string(i)) == "OK");
+  }
+  CHECK(b.command("STATS").rfind("OK ", 0) == 0);
+  CHECK(b.command("PUT after 4096 3") == "OK");
+  CHECK(b.command("GETB 100 many9- 9") == "OK");  // not overwritten by the new put
   CHECK(a.finish() == 0);
   CHECK(b.finish() == 0);
 }

@@ -160,6 +160,77 @@ TEST_CASE("master service: a mount with objects takes them back; eviction waits 
   CHECK(t.stats().objects < 3);
 }
 
+TEST_CASE("master service: a segment announced over several frames stays closed until the last") {
+  store::master_config cfg;
+  store::master_service svc{cfg, {}};
+  auto att = svc.attach_client(kvlink::make_instance_id(), "10.0.0.1:5", at(0));
+  auto other = svc.attach_client(kvlink::make_instance_id(), "10.0.0.2:5", at(0));
+  constexpr auto t_adopt = static_cast<std::uint16_t>(wire::message_type::adopt);
+  const auto codes_of = [](const std::string& body, std::uint64_t* segment) {
+    wire::reader r(body);
+    REQUIRE(!r.status());
+    if (segment != nullptr) *segment = r.u64();
+    wire::code_list c;
+    REQUIRE(!c.decode(r));
+    return c.codes;
+  };
+  // 64 KiB, mounted closed with one object; k2 comes in an adopt frame.
+  std::uint64_t seg = 0;
+  auto a = handle(svc, att.session, t_mount, body_of([](wire::writer& w) {
+                    wire::mount_request{"s", 64 << 10, 0, {{"k1", 0, 16000}}, false}.encode(w);
+                  }));
+  CHECK(codes_of(a.body, &seg) == std::vector<std::uint32_t>{0});
+  store::object_table& t = svc.objects();
+  CHECK_FALSE(t.segments().is_open(kvlink::segment_id{seg}));
+  // Closed: nothing is placed in it meanwhile (no space anywhere).
+  store::replica_list where;
+  CHECK(t.put_start("new", 100, other.session.client->id, {}, at(1), where) ==
+        store_errc::no_space);
+  // Not its segment: refused.
+  a = handle(svc, other.session, t_adopt, body_of([&](wire::writer& w) {
+               wire::adopt_request{seg, {{"k9", 32768, 10}}, true}.encode(w);
+             }));
+  wire::reader rr(a.body);
+  CHECK(rr.status() == store_errc::illegal_client);
+  a = handle(svc, att.session, t_adopt, body_of([&](wire::writer& w) {
+               wire::adopt_request{seg + 100, {}, true}.encode(w);
+             }));
+  wire::reader rn(a.body);
+  CHECK(rn.status() == store_errc::segment_not_found);
+  // The last frame: k2 back (k3 overlaps k1: refused), then the segment opens.
+  a = handle(svc, att.session, t_adopt, body_of([&](wire::writer& w) {
+               wire::adopt_request{seg, {{"k2", 16384, 16000}, {"k3", 100, 10}}, true}.encode(w);
+             }));
+  CHECK(codes_of(a.body, nullptr) ==
+        std::vector<std::uint32_t>{0, static_cast<std::uint32_t>(store_errc::invalid_params)});
+  CHECK(t.segments().is_open(kvlink::segment_id{seg}));
+  store::object_info info;
+  REQUIRE(!t.get("k1", at(2), info));
+  REQUIRE(!t.get("k2", at(2), info));
+  CHECK(info.replicas[0].offset == 16384);
+  CHECK(t.get("k3", at(2), info) == store_errc::object_not_found);
+  REQUIRE(!t.put_start("new", 100, other.session.client->id, {}, at(3), where));
+  {  // never over the objects taken back
+    const auto foot = kvlink::store::wire::object_footprint(16000, 2);
+    const auto a0 = where[0].offset;
+    const auto a1 = a0 + kvlink::store::wire::object_footprint(100, 3);
+    CHECK(a0 >= foot);
+    CHECK((a1 <= 16384 || a0 >= 16384 + foot));
+  }
+  // Open now: a late adopt could land on space handed out meanwhile.
+  a = handle(svc, att.session, t_adopt, body_of([&](wire::writer& w) {
+               wire::adopt_request{seg, {{"k4", 49152, 10}}, true}.encode(w);
+             }));
+  wire::reader ro(a.body);
+  CHECK(ro.status() == store_errc::invalid_params);
+  // A flag byte other than 0 or 1 does not decode.
+  std::string bad = body_of([&](wire::writer& w) { wire::adopt_request{seg, {}, true}.encode(w); });
+  bad.back() = 2;
+  a = handle(svc, att.session, t_adopt, bad);
+  wire::reader rb(a.body);
+  CHECK(rb.status() == errc::malformed_message);
+}
+
 TEST_CASE("master service: a client without an address mounts nothing") {
   store::master_service svc{{}, {}};
   auto att = svc.attach_client(kvlink::make_instance_id(), "", at(0));

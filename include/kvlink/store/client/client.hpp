@@ -780,13 +780,7 @@ class client_state : public std::enable_shared_from_this<client_state> {
     // Our segments leave the pool first (their objects with them), then
     // the engine forgets them.
     if (connected_) {
-      for (const auto& m : mounts_) {
-        wire::writer w(wire::message_type::unmount, 0, false);
-        w.u64(m.master_segment);
-        std::string body;
-        std::string frame = w.take();
-        (void)co_await request(std::move(frame), body);
-      }
+      for (const auto& m : mounts_) (void)co_await unmount_at_master(m);
     }
     closed_ = true;
     for (const auto& m : mounts_) {
@@ -811,6 +805,10 @@ class client_state : public std::enable_shared_from_this<client_state> {
     std::uint64_t size = 0;
     segment_id engine_segment{};
     std::uint64_t master_segment = 0;
+    /// Its objects are being announced over several frames (the master
+    /// keeps it closed meanwhile); still true after a failure: it is
+    /// unmounted and announced again at the next connection.
+    bool announcing = false;
   };
   struct location {
     std::byte* local = nullptr;  ///< this client's own segment: copied, not transferred
@@ -1125,10 +1123,8 @@ class client_state : public std::enable_shared_from_this<client_state> {
   // whose records check out in the segment go with the mount and come back
   // readable; records it does not take back are cleared.
   asio::awaitable<std::error_code> mount_at_master(mount_rec& m, bool announce = false) {
-    wire::writer w(wire::message_type::mount, 0, false);
     const std::string name =
         std::string("engine-segment-").append(std::to_string(m.engine_segment.value()));
-    wire::mount_request q{name, m.size, m.engine_segment.value(), {}};
     struct found {
       std::string key;  // copied: a late writer may change the memory
       std::uint64_t offset = 0;
@@ -1142,8 +1138,6 @@ class client_state : public std::enable_shared_from_this<client_state> {
           wire::scan_records(m.base, m.size, 65535, true, false, [&](const wire::found_object& f) {
             objects.push_back({std::string(f.key), f.offset, f.size});
           });
-      q.objects.reserve(objects.size());
-      for (const auto& o : objects) q.objects.push_back({o.key, o.offset, o.size});
       kvlink::detail::log(
           "store: segment {} ({} bytes) scanned in {} ms: {} object(s) to announce, {} torn or "
           "overwritten record(s) cleared",
@@ -1153,23 +1147,72 @@ class client_state : public std::enable_shared_from_this<client_state> {
               .count(),
           objects.size(), cleared);
     }
-    q.encode(w);
-    std::string body;
-    std::string frame = w.take();
-    if (auto ec = co_await request(std::move(frame), body)) co_return ec;
-    wire::reader r(body);
-    m.master_segment = r.u64();
-    wire::code_list codes;
-    if (auto ec = codes.decode(r)) co_return ec;
-    if (codes.codes.size() != objects.size()) co_return make_error_code(errc::malformed_message);
-    for (std::size_t i = 0; i < objects.size(); ++i) {
-      // Not taken back (the key was put again meanwhile): its space is the
-      // master's to hand out, so its record must not come back later.
-      if (codes.codes[i] != 0) {
-        std::memset(m.base + objects[i].offset + wire::record_offset(objects[i].size), 0, 8);
+    // As many objects per frame as the master's max_body takes (half of it:
+    // room for the rest of the frame); the first go with the mount, which
+    // leaves the segment closed while more follow in adopt frames.
+    std::vector<std::size_t> cuts{0};
+    {
+      const std::size_t budget = std::max<std::size_t>(master_max_body_ / 2, 512);
+      std::size_t bytes = 0;
+      for (std::size_t i = 0; i < objects.size(); ++i) {
+        const std::size_t b = wire::mount_request::found_bytes(objects[i].key.size());
+        if (i > cuts.back() && (bytes + b > budget || i - cuts.back() >= wire::max_batch / 2)) {
+          cuts.push_back(i);
+          bytes = 0;
+        }
+        bytes += b;
+      }
+      cuts.push_back(objects.size());
+    }
+    const std::size_t frames = cuts.size() - 1;
+    m.announcing = frames > 1;
+    for (std::size_t f = 0; f < frames; ++f) {
+      const bool last = f + 1 == frames;
+      std::vector<wire::mount_request::found> part;
+      part.reserve(cuts[f + 1] - cuts[f]);
+      for (std::size_t i = cuts[f]; i < cuts[f + 1]; ++i) {
+        part.push_back({objects[i].key, objects[i].offset, objects[i].size});
+      }
+      wire::writer w(f == 0 ? wire::message_type::mount : wire::message_type::adopt, 0, false);
+      if (f == 0) {
+        wire::mount_request{name, m.size, m.engine_segment.value(), std::move(part), last}.encode(
+            w);
+      } else {
+        wire::adopt_request{m.master_segment, std::move(part), last}.encode(w);
+      }
+      std::string body;
+      std::string frame = w.take();
+      if (auto ec = co_await request(std::move(frame), body)) co_return ec;
+      wire::reader r(body);
+      if (f == 0) m.master_segment = r.u64();
+      wire::code_list codes;
+      if (auto ec = codes.decode(r)) co_return ec;
+      if (codes.codes.size() != cuts[f + 1] - cuts[f]) {
+        co_return make_error_code(errc::malformed_message);
+      }
+      for (std::size_t i = cuts[f]; i < cuts[f + 1]; ++i) {
+        // Not taken back (the key was put again meanwhile): its space is the
+        // master's to hand out, so its record must not come back later.
+        if (codes.codes[i - cuts[f]] != 0) {
+          std::memset(m.base + objects[i].offset + wire::record_offset(objects[i].size), 0, 8);
+        }
       }
     }
+    m.announcing = false;
+    if (frames > 1) {
+      kvlink::detail::log("store: segment {}: {} object(s) announced in {} frames",
+                          m.engine_segment.value(), objects.size(), frames);
+    }
     co_return std::error_code{};
+  }
+
+  // Drops one of our segments at the master (its objects with it).
+  asio::awaitable<std::error_code> unmount_at_master(const mount_rec& m) {
+    wire::writer w(wire::message_type::unmount, 0, false);
+    w.u64(m.master_segment);
+    std::string body;
+    std::string frame = w.take();
+    co_return co_await request(std::move(frame), body);
   }
 
   // Connects and authenticates; mounts our segments again when the master
@@ -1250,6 +1293,7 @@ class client_state : public std::enable_shared_from_this<client_state> {
     client_id_ = store->value("client", std::uint64_t{0});
     heartbeat_ = std::chrono::milliseconds(store->value("heartbeat_ms", std::uint64_t{1000}));
     records_ = store->value("records", false);
+    master_max_body_ = store->value("max_body", std::uint64_t{wire::default_max_body});
     if (heartbeat_.count() <= 0) heartbeat_ = std::chrono::milliseconds(1000);
     if (*master != master_) locations_.clear();  // another master: its segment ids are new
     if (!known) forget_mounts();
@@ -1271,6 +1315,18 @@ class client_state : public std::enable_shared_from_this<client_state> {
         }
       }
       locations_.clear();
+    } else if (known) {
+      // An announcement the connection broke off: the segment is closed at
+      // the master with part of its objects; start it again from scratch.
+      for (auto& m : mounts_) {
+        if (!m.announcing) continue;
+        (void)co_await unmount_at_master(m);
+        m.master_segment = 0;
+        if (auto mec = co_await mount_at_master(m, true)) {
+          kvlink::detail::log("store: announcing a segment again at the master {} failed: {}",
+                              master_address_, mec.message());
+        }
+      }
     }
     co_return std::error_code{};
   }
@@ -1471,6 +1527,7 @@ class client_state : public std::enable_shared_from_this<client_state> {
   instance_id master_{};
   std::uint64_t epoch_ = 0;  // connections made: segment ids are an epoch's
   bool records_ = false;     // whether puts write object records (the master says)
+  std::uint64_t master_max_body_ = wire::default_max_body;  // the largest request it takes
   std::chrono::milliseconds heartbeat_{1000};
 
   std::vector<mount_rec> mounts_;

@@ -149,6 +149,13 @@ class segment_table {
     refresh_largest();
   }
 
+  /// Whether a mounted segment takes allocations (false: closed, or not mounted).
+  bool is_open(segment_id id) const {
+    std::shared_lock lock{mu_};
+    auto it = by_id_.find(id.value());
+    return it != by_id_.end() && slots_[it->second]->mounted && slots_[it->second]->open;
+  }
+
   /// Stops allocations on the segment, before the object table drops the
   /// replicas on it; segment_not_found when it is not mounted (or already
   /// being unmounted).

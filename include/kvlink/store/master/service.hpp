@@ -482,6 +482,16 @@ class master_service {
         }
         break;
       }
+      case wire::message_type::adopt: {
+        wire::adopt_request a;
+        if ((dec = a.decode(r))) break;
+        wire::code_list taken;
+        const std::error_code ec = adopt(*s.client, a, taken, now);
+        count_error(ec);
+        w.status(ec);
+        if (!ec) taken.encode(w);
+        break;
+      }
       case wire::message_type::unmount: {
         const std::uint64_t id = r.u64();
         if ((dec = r.finish())) break;
@@ -830,26 +840,51 @@ class master_service {
     std::lock_guard lock{clients_mu_};
     if (c.address.empty()) return store_errc::invalid_params;  // nobody could reach its bytes
     segment_desc d{c.id, std::string(m.name), m.size, c.host};
-    if (auto ec = table_.mount_segment(d, out, m.objects.empty())) return ec;
-    taken.codes.resize(m.objects.size());
-    std::uint64_t adopted = 0;
-    for (std::size_t i = 0; i < m.objects.size(); ++i) {
-      const auto& o = m.objects[i];
-      const auto ec = table_.adopt(out, o.key, o.offset, o.size);
-      taken.codes[i] = code_of(ec);
-      adopted += ec ? 0 : 1;
-    }
-    if (!m.objects.empty()) {
-      table_.segments().open(out);
-      adopted_.fetch_add(adopted, std::memory_order_relaxed);
-      last_adoption_ms_.store(now.time_since_epoch().count(), std::memory_order_relaxed);
-      kvlink::detail::log(
-          "store master: client {} mounted segment {} with {} object(s): {} taken back", c.id,
-          out.value(), m.objects.size(), adopted);
-    }
+    if (auto ec = table_.mount_segment(d, out, m.objects.empty() && m.open)) return ec;
+    take_back(c, out, m.objects, m.open, taken, now);
     std::lock_guard seg{segments_mu_};
     locations_[out.value()] = location{c.id, c.address, m.engine_segment, m.size, c.host};
     return {};
+  }
+
+  // More objects of a segment this client mounted closed; segment_not_found,
+  // illegal_client (another's), invalid_params (it is open already: its
+  // space may be handed out, so nothing found in it can be trusted now).
+  std::error_code adopt(const client_record& c, const wire::adopt_request& a,
+                        wire::code_list& taken, master_time now) {
+    std::lock_guard lock{clients_mu_};
+    {
+      std::lock_guard seg{segments_mu_};
+      const auto it = locations_.find(a.segment);
+      if (it == locations_.end()) return store_errc::segment_not_found;
+      if (it->second.client != c.id) return store_errc::illegal_client;
+    }
+    if (table_.segments().is_open(segment_id{a.segment})) return store_errc::invalid_params;
+    take_back(c, segment_id{a.segment}, a.objects, a.open, taken, now);
+    return {};
+  }
+
+  // Adopts `objects` into a closed segment, then opens it when `open`.
+  void take_back(const client_record& c, segment_id seg,
+                 const std::vector<wire::mount_request::found>& objects, bool open,
+                 wire::code_list& taken, master_time now) {
+    taken.codes.resize(objects.size());
+    std::uint64_t adopted = 0;
+    for (std::size_t i = 0; i < objects.size(); ++i) {
+      const auto& o = objects[i];
+      const auto ec = table_.adopt(seg, o.key, o.offset, o.size);
+      taken.codes[i] = code_of(ec);
+      adopted += ec ? 0 : 1;
+    }
+    if (open) table_.segments().open(seg);
+    if (objects.empty()) return;
+    adopted_.fetch_add(adopted, std::memory_order_relaxed);
+    last_adoption_ms_.store(now.time_since_epoch().count(), std::memory_order_relaxed);
+    kvlink::detail::log(
+        "store master: client {} announced {} object(s) of segment {}: {} taken "
+        "back{}",
+        c.id, objects.size(), seg.value(), adopted,
+        open ? "" : " (more to come: the segment stays closed)");
   }
 
   std::error_code unmount(std::uint64_t client, segment_id id) {

@@ -50,7 +50,9 @@ namespace kvlink::store::wire {
 inline constexpr std::uint32_t frame_magic = 0x534C564Bu;  // "KVLS"
 // 2: objects take their record's bytes too (store/wire/record.hpp), and a
 // mount carries the objects its owner found in the segment.
-inline constexpr std::uint16_t protocol_version = 2;
+// 3: a mount may leave its segment closed, and adopt announces further
+// objects of it (a segment holds more than one frame's worth).
+inline constexpr std::uint16_t protocol_version = 3;
 inline constexpr std::size_t header_size = 24;
 inline constexpr std::uint16_t reply_bit = 0x8000;
 /// Default bound of a frame's body (both directions).
@@ -62,8 +64,9 @@ inline constexpr std::uint8_t max_wire_replicas = 8;
 
 enum class message_type : std::uint16_t {
   heartbeat = 1,     ///< {} -> {u8 known}
-  mount = 2,         ///< {str name, u64 size, u64 engine segment, [str key, u64 offset, u64 size]}
-                     ///< -> {u64 segment, [u32 code]}: the objects found in it, taken back or not
+  mount = 2,         ///< {str name, u64 size, u64 engine segment, [str key, u64 offset, u64 size],
+                     ///<  u8 open} -> {u64 segment, [u32 code]}: the objects found in it, taken
+                     ///< back or not; open 0: no allocation in it until an adopt opens it
   unmount = 3,       ///< {u64 segment} -> {}
   segment_info = 4,  ///< {u64 segment} -> {u64 client, str address, u64 engine segment,
                      ///<                   u64 size, str host}
@@ -76,10 +79,12 @@ enum class message_type : std::uint16_t {
   remove_all = 11,   ///< {u8 force} -> {u64 removed}
   stats = 12,        ///< {} -> {u64 capacity, used, objects, in_progress, reserved, segments}
   replicas = 13,     ///< {[key]} -> [code, u64 size, u32 0, replicas]: get's answer, no lease
+  adopt = 14,        ///< {u64 segment, [str key, u64 offset, u64 size], u8 open} -> [u32 code]:
+                     ///< more objects of a segment mounted closed; open 1 ends its announcement
 };
 
 /// The highest message type.
-inline constexpr std::uint16_t last_type = 13;
+inline constexpr std::uint16_t last_type = 14;
 inline constexpr bool known_type(std::uint16_t t) noexcept { return t >= 1 && t <= last_type; }
 
 inline const char* to_string(message_type t) noexcept {
@@ -110,6 +115,8 @@ inline const char* to_string(message_type t) noexcept {
       return "stats";
     case message_type::replicas:
       return "replicas";
+    case message_type::adopt:
+      return "adopt";
   }
   return "unknown";
 }
@@ -477,10 +484,28 @@ struct mount_request {
   std::uint64_t size = 0;
   std::uint64_t engine_segment = 0;  ///< the segment's id in its owner's engine
   std::vector<found> objects;
+  /// false: the segment stays closed to allocations until an adopt_request
+  /// with open (its owner has more objects to announce than one frame holds).
+  bool open = true;
   void encode(writer& w) const {
     w.str(name);
     w.u64(size);
     w.u64(engine_segment);
+    encode_found(w, objects);
+    w.u8(open ? 1 : 0);
+  }
+  std::error_code decode(reader& r) {
+    name = r.str();
+    size = r.u64();
+    engine_segment = r.u64();
+    decode_found(r, objects);
+    open = decode_flag(r);
+    return r.finish();
+  }
+
+  /// The bytes one object adds to a mount or adopt body.
+  static std::size_t found_bytes(std::size_t key_size) noexcept { return 2 + key_size + 16; }
+  static void encode_found(writer& w, const std::vector<found>& objects) {
     w.u32(static_cast<std::uint32_t>(objects.size()));
     for (const auto& o : objects) {
       w.str(o.key);
@@ -488,10 +513,13 @@ struct mount_request {
       w.u64(o.size);
     }
   }
-  std::error_code decode(reader& r) {
-    name = r.str();
-    size = r.u64();
-    engine_segment = r.u64();
+  /// A u8 that must be 0 or 1.
+  static bool decode_flag(reader& r) {
+    const auto f = r.u8();
+    if (f > 1) r.fail();
+    return f == 1;
+  }
+  static void decode_found(reader& r, std::vector<found>& objects) {
     const auto n = r.count(max_batch, 18);
     objects.resize(n);
     for (std::uint32_t i = 0; i < n; ++i) {
@@ -499,6 +527,24 @@ struct mount_request {
       objects[i].offset = r.u64();
       objects[i].size = r.u64();
     }
+  }
+};
+
+/// More objects of a segment its owner mounted closed (mount_request::open
+/// false); `open` ends the announcement and opens the segment.
+struct adopt_request {
+  std::uint64_t segment = 0;
+  std::vector<mount_request::found> objects;
+  bool open = true;
+  void encode(writer& w) const {
+    w.u64(segment);
+    mount_request::encode_found(w, objects);
+    w.u8(open ? 1 : 0);
+  }
+  std::error_code decode(reader& r) {
+    segment = r.u64();
+    mount_request::decode_found(r, objects);
+    open = mount_request::decode_flag(r);
     return r.finish();
   }
 };
