@@ -541,7 +541,7 @@ class StoreClient:
     kvlink.config_table(); `listen` must be reachable by the other clients
     when this one mounts memory).
 
-        store = kvlink.StoreClient("127.0.0.1:50051")
+        store = kvlink.StoreClient("127.0.0.1:50051")   # or "etcd://h:2379": the elected master
         store.mount(1 << 30)                    # give 1 GiB to the pool (or a buffer)
         store.put("req-42/block-0", kv)         # any buffer: bytes, numpy array, memoryview
         data = store.get("req-42/block-0")      # bytes; get_into(key, buf) reads in place
