@@ -6,7 +6,7 @@
 #include <cstdio>
 #include <string_view>
 
-#include "harness.hpp"
+#include "etcd_binary.hpp"
 #include <doctest/doctest.h>
 
 int main(int argc, char** argv) {
