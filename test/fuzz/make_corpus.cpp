@@ -16,6 +16,7 @@
 #include <kvlink/core/error.hpp>
 #include <kvlink/core/instance.hpp>
 #include <kvlink/core/types.hpp>
+#include <kvlink/store/tier/disk_record.hpp>
 #include <kvlink/store/wire/protocol.hpp>
 #include <kvlink/store/wire/record.hpp>
 #include <kvlink/tcp/frame.hpp>
@@ -447,6 +448,27 @@ void store_wire() {
     object(320, "torn", 200);
     seg[330] = 'X';
     put("store_wire", "segment_records", seg);
+  }
+
+  // The start of an SSD tier file: its header block, an object's record
+  // and a removal's (store/tier/disk_record.hpp).
+  {
+    namespace tier = kvlink::store::tier;
+    std::string file(4 * 512, '\0');  // header, object head, its bytes, a removal
+    auto* base = reinterpret_cast<std::byte*>(file.data());
+    tier::encode_file_header(tier::disk_file_header{tier::disk_format_version, 512, 1, 77},
+                             {base, 512});
+    const std::string body(100, 'v');
+    tier::encode_record_header(
+        77,
+        tier::disk_record{tier::disk_record_kind::object, "block/1", body.size(), 1,
+                          kvlink::crc32c(body.data(), body.size())},
+        {base + 512, 512});
+    file.replace(1024, body.size(), body);
+    tier::encode_record_header(
+        77, tier::disk_record{tier::disk_record_kind::removal, "block/0", 0, 2, 0},
+        {base + 1536, 512});
+    put("store_wire", "disk_file", file);
   }
 
   wire::writer frame(mt::exists, 7, false);

@@ -5,7 +5,9 @@
 // 1. The whole input through decode_header and every message decoder: no
 //    crash, no read past the input; what decodes encodes back to the same
 //    bytes (the formats have one encoding). The input as a segment's memory
-//    scanned for object records (store/wire/record.hpp).
+//    scanned for object records (store/wire/record.hpp), and as the start
+//    of an SSD tier file (store/tier/disk_record.hpp): its header, then a
+//    record header at every 64 bytes under the file's salt.
 // 2. The input as a program of frames, [u8 who/clock][u16 type][u16 length]
 //    [body], each handled for one of two clients against one object table
 //    (one segment of client A mounted first): every reply is a well-formed
@@ -21,11 +23,13 @@
 #include <kvlink/store/master/metadata.hpp>
 #include <kvlink/store/master/server.hpp>
 #include <kvlink/store/master/service.hpp>
+#include <kvlink/store/tier/disk_record.hpp>
 #include <kvlink/store/wire/protocol.hpp>
 #include <kvlink/store/wire/record.hpp>
 
 #include <cstddef>
 #include <cstdint>
+#include <cstring>
 #include <span>
 #include <string>
 #include <string_view>
@@ -83,6 +87,34 @@ void records(std::string_view in) {
   KVLINK_FUZZ_CHECK(again == found);
 }
 
+// The input as the start of an SSD tier file: what decodes is within the
+// input, keeps the format's bounds and encodes back to the same bytes.
+void disk_file(std::string_view in) {
+  namespace tier = kvlink::store::tier;
+  const std::span<const std::byte> bytes(reinterpret_cast<const std::byte*>(in.data()), in.size());
+  tier::disk_file_header h;
+  std::uint64_t salt = 0;
+  if (tier::decode_file_header(bytes, h) == tier::file_header_status::ok) {
+    KVLINK_FUZZ_CHECK(tier::disk_block_valid(h.block));
+    std::byte again[tier::disk_file_header_size];
+    KVLINK_FUZZ_CHECK(tier::encode_file_header(h, again));
+    KVLINK_FUZZ_CHECK(std::memcmp(again, bytes.data(), sizeof again) == 0);
+    salt = h.salt;
+  }
+  for (std::size_t at = 0; at + tier::disk_record_header_size <= bytes.size(); at += 64) {
+    tier::disk_record r;
+    if (!tier::decode_record_header(salt, bytes.subspan(at), r)) continue;
+    KVLINK_FUZZ_CHECK(!r.key.empty() && r.key.size() <= tier::disk_max_key);
+    KVLINK_FUZZ_CHECK(tier::disk_record_header_size + r.key.size() <= bytes.size() - at);
+    KVLINK_FUZZ_CHECK(r.kind != tier::disk_record_kind::removal || r.size == 0);
+    std::string again(tier::disk_record_header_size + r.key.size(), '\0');
+    KVLINK_FUZZ_CHECK(tier::encode_record_header(
+        salt, r, {reinterpret_cast<std::byte*>(again.data()), again.size()}));
+    KVLINK_FUZZ_CHECK(std::memcmp(again.data(), bytes.data() + at,
+                                  tier::disk_record_header_size + r.key.size()) == 0);
+  }
+}
+
 void decoders(std::string_view in) {
   if (in.size() >= wire::header_size) {
     wire::header_bytes hb{};
@@ -106,6 +138,7 @@ void decoders(std::string_view in) {
   round_trip<wire::segment_location>(in);
   round_trip<wire::stats_reply>(in);
   records(in);
+  disk_file(in);
   wire::reader r(in);
   std::string_view text;
   (void)r.status(&text);

@@ -28,6 +28,7 @@
 // against the bytes that remain; test/fuzz/store_wire.cpp fuzzes it.
 #pragma once
 
+#include <kvlink/core/byte_order.hpp>
 #include <kvlink/core/crc32c.hpp>
 
 #include <cstddef>
@@ -76,22 +77,10 @@ struct object_record {
 };
 
 namespace detail {
-inline void put_u32(std::byte* p, std::uint32_t v) noexcept {
-  for (int i = 0; i < 4; ++i) p[i] = static_cast<std::byte>(v >> (8 * i));
-}
-inline void put_u64(std::byte* p, std::uint64_t v) noexcept {
-  for (int i = 0; i < 8; ++i) p[i] = static_cast<std::byte>(v >> (8 * i));
-}
-inline std::uint32_t get_u32(const std::byte* p) noexcept {
-  std::uint32_t v = 0;
-  for (int i = 0; i < 4; ++i) v |= static_cast<std::uint32_t>(p[i]) << (8 * i);
-  return v;
-}
-inline std::uint64_t get_u64(const std::byte* p) noexcept {
-  std::uint64_t v = 0;
-  for (int i = 0; i < 8; ++i) v |= static_cast<std::uint64_t>(p[i]) << (8 * i);
-  return v;
-}
+using kvlink::detail::get_u32;
+using kvlink::detail::get_u64;
+using kvlink::detail::put_u32;
+using kvlink::detail::put_u64;
 inline std::uint32_t header_crc(const std::byte* p, std::string_view key) noexcept {
   return kvlink::crc32c(key.data(), key.size(), kvlink::crc32c(p, 24));
 }
