@@ -187,6 +187,7 @@ TEST_CASE("disk tier: the same bytes twice are kept once; other bytes replace th
   REQUIRE_FALSE(disk_read_back(d, "k", got));
   CHECK(got == disk_pattern(6000, 2));  // the newest record wins at the scan
   CHECK(d.stats().objects == 1);
+  CHECK(d.stats().object_bytes == 6000);
 }
 
 TEST_CASE("disk tier: a removed key stays removed after a reopen; put again, it is back") {
@@ -204,6 +205,8 @@ TEST_CASE("disk tier: a removed key stays removed after a reopen; put again, it 
   tier::disk_tier d({.path = dir.path, .capacity = 8 << 20, .file_bytes = 2 << 20});
   std::vector<std::byte> got;
   CHECK(disk_read_back(d, "gone", got) == store_errc::object_not_found);
+  CHECK(d.stats().objects == 2);
+  CHECK(d.stats().object_bytes == 4000 + 3000);
   REQUIRE_FALSE(disk_read_back(d, "back", got));
   CHECK(got == disk_pattern(4000, 4));
   REQUIRE_FALSE(disk_read_back(d, "kept", got));
@@ -227,6 +230,7 @@ TEST_CASE("disk tier: the capacity is kept by evicting the oldest file, named to
     const auto s = d.stats();
     CHECK(s.evicted == evicted.size());
     CHECK(s.objects + evicted.size() == put_keys.size());
+    CHECK(s.object_bytes == s.objects * (64 << 10));
     // First in, first out: what was evicted is a prefix of what was put.
     REQUIRE_FALSE(evicted.empty());
     CHECK(std::equal(evicted.begin(), evicted.end(), put_keys.begin()));

@@ -193,13 +193,19 @@ class disk_tier {
     place where;
     {
       std::lock_guard lk(mu_);
-      if (auto it = index_.find(key); it != index_.end()) {
+      auto it = index_.find(key);
+      if (it != index_.end()) {
         if (!it->second.ready) return store_errc::object_in_progress;
         if (it->second.size == bytes.size() && it->second.body_crc == crc) return {};
       }
       if (std::error_code ec = allocate(rec_bytes, where, evicted)) return count_write_error(ec);
-      auto& e = index_[std::string(key)];
-      e = entry{where.file, where.offset, bytes.size(), where.sequence, crc, false};
+      const entry pending{where.file, where.offset, bytes.size(), where.sequence, crc, false};
+      it = index_.find(key);  // allocate may have evicted it
+      if (it == index_.end()) {
+        index_.emplace(std::string(key), pending);
+      } else {
+        set_entry(it->second, pending);  // other bytes replace the old ones
+      }
       where.file->keys.emplace_back(key);
       ++stats_.puts;
     }
@@ -216,11 +222,12 @@ class disk_tier {
     const bool ours =
         it != index_.end() && it->second.file == where.file && it->second.offset == where.offset;
     if (ec) {
-      if (ours) index_.erase(it);
+      if (ours) forget(it);
       return count_write_error(ec);
     }
     if (ours) {
-      it->second.ready = true;
+      set_entry(it->second,
+                entry{where.file, where.offset, bytes.size(), where.sequence, crc, true});
       stats_.put_bytes += bytes.size();
     } else if (evicted != nullptr) {
       evicted->emplace_back(key);  // its file was dropped while it was written
@@ -263,7 +270,7 @@ class disk_tier {
       ++stats_.damaged;
       auto it = index_.find(key);
       if (it != index_.end() && it->second.file == e.file && it->second.offset == e.offset) {
-        index_.erase(it);
+        forget(it);
       }
       return store_errc::checksum_mismatch;
     }
@@ -291,7 +298,7 @@ class disk_tier {
       auto it = index_.find(key);
       if (it == index_.end()) return store_errc::object_not_found;
       if (!it->second.ready) return store_errc::object_in_progress;
-      index_.erase(it);
+      forget(it);
       if (std::error_code ec = allocate(rec_bytes, where, evicted)) return count_write_error(ec);
     }
     const std::error_code ec = move_record(
@@ -320,13 +327,8 @@ class disk_tier {
   disk_stats stats() const {
     std::lock_guard lk(mu_);
     disk_stats s = stats_;
-    s.objects = 0;
-    s.object_bytes = 0;
-    for (const auto& [k, e] : index_) {
-      if (!e.ready) continue;
-      ++s.objects;
-      s.object_bytes += e.size;
-    }
+    s.objects = ready_objects_;
+    s.object_bytes = ready_bytes_;
     s.used_bytes = used_locked();
     s.capacity = opt_.capacity;
     s.files = files_.size() + open_count_;
@@ -538,6 +540,25 @@ class disk_tier {
     return io_all(f.fd, iov, off, false);
   }
 
+  // Every change of an index entry goes through these two, which keep the
+  // readable objects' count and bytes (stats() reads them, not the index).
+  void set_entry(entry& slot, const entry& e) noexcept {
+    if (slot.ready) {
+      --ready_objects_;
+      ready_bytes_ -= slot.size;
+    }
+    slot = e;
+    if (slot.ready) {
+      ++ready_objects_;
+      ready_bytes_ += slot.size;
+    }
+  }
+  template <class It>
+  void forget(It it) {
+    set_entry(it->second, entry{});
+    index_.erase(it);
+  }
+
   // Bytes counted against capacity: sealed files at their size, the file
   // being written at its whole size (it is preallocated).
   std::uint64_t used_locked() const noexcept {
@@ -558,7 +579,7 @@ class disk_tier {
     for (const std::string& k : f->keys) {
       auto it = index_.find(std::string_view(k));
       if (it == index_.end() || it->second.file.get() != f.get()) continue;
-      index_.erase(it);
+      forget(it);
       ++stats_.evicted;
       if (evicted != nullptr) evicted->push_back(k);
     }
@@ -655,7 +676,7 @@ class disk_tier {
     for (const auto& [number, path] : names) scan_file(number, path, removed);
     for (const auto& [k, seq] : removed) {
       auto it = index_.find(std::string_view(k));
-      if (it != index_.end() && it->second.sequence < seq) index_.erase(it);
+      if (it != index_.end() && it->second.sequence < seq) forget(it);
     }
     while (!files_.empty() && sealed_bytes_ + opt_.file_bytes > opt_.capacity) {
       drop_oldest(nullptr);  // the capacity was made smaller since
@@ -728,7 +749,9 @@ class disk_tier {
       } else {
         auto it = index_.find(rec.key);
         if (it == index_.end() || it->second.sequence < rec.sequence) {
-          index_[std::string(rec.key)] = entry{f, at, rec.size, rec.sequence, rec.body_crc, true};
+          const entry found{f, at, rec.size, rec.sequence, rec.body_crc, true};
+          if (it == index_.end()) it = index_.emplace(std::string(rec.key), entry{}).first;
+          set_entry(it->second, found);
           f->keys.emplace_back(rec.key);
         }
       }
@@ -762,6 +785,7 @@ class disk_tier {
   std::uint64_t sealed_bytes_ = 0;
   std::uint64_t next_file_ = 1;
   std::uint64_t next_sequence_ = 1;
+  std::uint64_t ready_objects_ = 0, ready_bytes_ = 0;  ///< readable entries of index_
   disk_stats stats_;
 };
 
