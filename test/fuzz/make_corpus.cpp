@@ -428,6 +428,32 @@ void store_wire() {
   q += store_step(0xE8, mt::remove_all, [](wire::writer& w) { w.u8(1); });
   put("store_wire", "writers_owners_liveness", q);
 
+  // The SSD tier: a disk for client A, objects evicted to it (the pool
+  // over its watermark), reports of every kind, a get of a disk-only
+  // object (a load), removals (drops), the disk leaving, and a disk_task
+  // sent by a client (refused).
+  const auto report = [](std::vector<wire::disk_entries::entry> e) {
+    return [e](wire::writer& w) { wire::disk_entries{e}.encode(w, true); };
+  };
+  std::string d = store_step(0, mt::disk_mount, [](wire::writer& w) { w.u64(1u << 30); });
+  d += store_step(0, mt::put_start, [](wire::writer& w) {
+    wire::put_start_request q;
+    q.keys = {"big", "small"};
+    q.sizes = {60000, 100};
+    q.parents = {"", ""};
+    q.encode(w);
+  });
+  d += store_step(0xE0, mt::put_end, keys({"big", "small"}, false, false));
+  d += store_step(0, mt::disk_report,
+                  report({{2, "big", 60000, 1, 0, 0}, {2, "small", 100, 1, 60032, 0}}));
+  d += store_step(0xE0, mt::disk_report, report({{1, "x", 300, 0, 0, 0}, {4, "gone", 1, 0, 0, 0}}));
+  d += store_step(1, mt::get, keys({"x", "big"}, false, false));
+  d += store_step(0, mt::disk_report, report({{3, "x", 300, 1, 0, 0}, {3, "big", 1, 1, 64, 7}}));
+  d += store_step(1, mt::remove, keys({"x", "big"}, true, true));
+  d += store_step(0xE8, mt::disk_mount, [](wire::writer& w) { w.u64(0); });
+  d += store_step(1, mt::disk_task, report({}));
+  put("store_wire", "disk_tier", d);
+
   std::string bad = store_step(0, mt::get, [](wire::writer& w) { w.u32(1000); });
   bad += store_step(0, static_cast<mt>(99), [](wire::writer&) {});
   bad += store_step(0, static_cast<mt>(0x8001), [](wire::writer&) {});

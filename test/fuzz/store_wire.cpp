@@ -137,6 +137,8 @@ void decoders(std::string_view in) {
   round_trip<wire::adopt_request>(in);
   round_trip<wire::segment_location>(in);
   round_trip<wire::stats_reply>(in);
+  round_trip<wire::disk_entries>(in, true);
+  round_trip<wire::disk_entries>(in, false);
   records(in);
   disk_file(in);
   wire::reader r(in);
@@ -160,6 +162,10 @@ long keys_of(wire::message_type t, std::span<const unsigned char> body) {
     case wire::message_type::remove: {
       wire::key_batch b;
       return b.decode(r, t == wire::message_type::remove) ? -1 : static_cast<long>(b.keys.size());
+    }
+    case wire::message_type::disk_report: {
+      wire::disk_entries d;
+      return d.decode(r, true) ? -1 : static_cast<long>(d.entries.size());
     }
     default:
       return 0;
@@ -219,6 +225,7 @@ void check_reply(const std::string& reply, const wire::frame_header& req,
       KVLINK_FUZZ_CHECK(!r.finish());
       break;
     case wire::message_type::unmount:
+    case wire::message_type::disk_mount:
       KVLINK_FUZZ_CHECK(!r.finish());
       break;
     case wire::message_type::segment_info: {
@@ -296,6 +303,24 @@ void dispatch(const std::uint8_t* data, std::size_t size) {
     const st::pool_stats p = svc.objects().stats();
     KVLINK_FUZZ_CHECK(p.used <= p.capacity);
     KVLINK_FUZZ_CHECK(p.in_progress <= p.objects);
+    KVLINK_FUZZ_CHECK(p.disk_replicas <= p.objects * 2);  // two clients, one disk each
+    KVLINK_FUZZ_CHECK(p.disks <= 2);
+    // The SSD tier's tasks: frames for a client that has a disk (or had:
+    // drops outlive it), entries a disk_task decodes.
+    for (const auto& f : svc.take_disk_frames()) {
+      KVLINK_FUZZ_CHECK(f.client == a.session.client->id ||
+                        (b.session.client && f.client == b.session.client->id));
+      KVLINK_FUZZ_CHECK(f.bytes.size() >= wire::header_size);
+      wire::header_bytes fh{};
+      std::memcpy(fh.data(), f.bytes.data(), wire::header_size);
+      wire::frame_header th;
+      KVLINK_FUZZ_CHECK(!wire::decode_header(fh, UINT32_MAX, th));
+      KVLINK_FUZZ_CHECK(th.kind() == wire::message_type::disk_task && !th.is_reply());
+      wire::reader tr(std::string_view(f.bytes).substr(wire::header_size));
+      wire::disk_entries tasks;
+      KVLINK_FUZZ_CHECK(!tasks.decode(tr, false));
+      KVLINK_FUZZ_CHECK(tasks.entries.size() == f.tasks && f.tasks > 0);
+    }
   }
   (void)kvlink::store::route_http(svc, "GET", "/metrics");
   (void)kvlink::store::route_http(svc, "GET", "/segments");

@@ -62,14 +62,25 @@ struct temp_file {
   std::string path;
 };
 
-inline peer_process client(const std::string& master, std::uint64_t mount = 64u << 20,
-                           std::string secret = {}) {
+// kvlink_store_peer's arguments (--disk: its SSD tier's directory).
+inline std::vector<std::string> client_args(const std::string& master, std::uint64_t mount,
+                                            const std::string& secret = {},
+                                            const std::string& disk = {}) {
   std::vector<std::string> a{"--master", master, "--mount", std::to_string(mount)};
   if (!secret.empty()) {
     a.push_back("--secret");
     a.push_back(secret);
   }
-  return peer_process(KVLINK_STORE_PEER_PATH, a, "READY ");
+  if (!disk.empty()) {
+    a.push_back("--disk");
+    a.push_back(disk);
+  }
+  return a;
+}
+
+inline peer_process client(const std::string& master, std::uint64_t mount = 64u << 20,
+                           const std::string& secret = {}) {
+  return peer_process(KVLINK_STORE_PEER_PATH, client_args(master, mount, secret), "READY ");
 }
 
 // Repeats `line` until its answer starts with `want` or `limit` passes;

@@ -3,12 +3,13 @@
 //
 //   kvlink_store_peer --master HOST:PORT|etcd://HOST:PORT [--cluster C]
 //                     [--mount BYTES] [--buffer BYTES] [--secret S] [--transports LIST]
+//                     [--disk DIR --disk-capacity BYTES]
 //
 // Starts an engine on 127.0.0.1:0, registers a work buffer (--buffer, default
 // 64 MiB) to put from and get into, connects a kvlink::store::client to the
 // master, mounts a segment of --mount bytes (default 64 MiB; 0: none, a pure
-// requester), prints `READY <client id>` on stdout and then answers commands
-// from stdin, one line each:
+// requester; --disk: its SSD tier in DIR), prints `READY <client id>` on stdout and then answers
+// commands from stdin, one line each:
 //
 //   PUT <key> <size> <seed> [replicas]   ->  OK | ERR <code> <message>
 //       puts <size> bytes of the pattern of <seed> under <key>;
@@ -66,7 +67,8 @@ std::uint64_t first_bad(const std::byte* p, std::uint64_t len, std::uint64_t see
 }  // namespace
 
 int main(int argc, char** argv) {
-  std::string master, cluster;
+  std::string master, cluster, disk;
+  std::uint64_t disk_capacity = 256u << 20;
   std::uint64_t mount = 64u << 20;
   std::uint64_t buffer = 64u << 20;
   kvlink::config cfg{.listen = "127.0.0.1:0"};
@@ -85,6 +87,10 @@ int main(int argc, char** argv) {
       cfg.auth_secret = value;
     } else if (arg == "--transports") {
       cfg.transports = value;
+    } else if (arg == "--disk") {
+      disk = value;
+    } else if (arg == "--disk-capacity") {
+      disk_capacity = std::stoull(value);
     } else {
       return usage("unknown option");
     }
@@ -100,7 +106,8 @@ int main(int argc, char** argv) {
   {
     kvlink::engine eng{io.get_executor(), cfg};
     eng.register_segment(work.data(), work.size());
-    kvlink::store::client_options copt{.master = master};
+    kvlink::store::client_options copt{
+        .master = master, .disk_path = disk, .disk_capacity = disk_capacity};
     if (!cluster.empty()) copt.cluster = cluster;
     kvlink::store::client client{eng, copt};
     try {

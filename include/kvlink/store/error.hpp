@@ -36,6 +36,7 @@ enum class store_errc : int {
   rpc_timeout = 901,             ///< the master did not answer in time (-901)
   // kvlink only, from 10000 on:
   object_hard_pinned = 10001,  ///< the object is hard-pinned (Mooncake: OBJECT_HAS_LEASE -706)
+  object_loading = 10002,      ///< on its holder's disk, being read back (Mooncake: -703)
 };
 
 namespace detail {
@@ -89,6 +90,9 @@ class store_error_category_impl final : public std::error_category {
       case store_errc::object_hard_pinned:
         return "the object is hard-pinned: it is never evicted and only a forced remove "
                "deletes it";
+      case store_errc::object_loading:
+        return "the object is on its holder's disk and being read back into memory: retry "
+               "shortly (the client does)";
     }
     return "unknown store error";
   }
@@ -115,6 +119,8 @@ inline std::int32_t mooncake_code(std::error_code ec) noexcept {
   switch (static_cast<store_errc>(ec.value())) {
     case store_errc::object_hard_pinned:
       return -706;
+    case store_errc::object_loading:
+      return -703;
     default:
       return ec.value() < 10000 ? -ec.value() : -1;
   }

@@ -10,6 +10,7 @@
 #include <atomic>
 #include <cstddef>
 #include <cstdlib>
+#include <filesystem>
 #include <future>
 #include <memory>
 #include <set>
@@ -77,11 +78,14 @@ struct rig {
 // An engine, a client, a registered work buffer and (mount > 0) a segment
 // in the pool.
 struct member {
-  member(rig& r, std::uint64_t mount, std::uint64_t buffer = 1u << 20)
+  member(rig& r, std::uint64_t mount, std::uint64_t buffer = 1u << 20, std::string disk = {},
+         std::uint64_t disk_capacity = 64u << 20)
       : eng(r.io.get_executor(), kvlink::config{.listen = "127.0.0.1:0", .transports = "tcp"}),
         work(buffer),
         pool(mount),
-        client(eng, {.master = r.master->local_address()}) {
+        client(eng, {.master = r.master->local_address(),
+                     .disk_path = std::move(disk),
+                     .disk_capacity = disk_capacity}) {
     eng.register_segment(work.data(), work.size());
     if (mount != 0) segment = client.async_mount(pool.data(), pool.size(), asio::use_future).get();
   }
@@ -426,6 +430,109 @@ TEST_CASE("store client: a full pool evicts under pressure; leased, pinned and c
   // Hard-pinned: only a forced remove takes it.
   CHECK(error_of([&](auto h) { w.client.async_remove("pinned", false, h); }) ==
         kvlink::store_errc::object_hard_pinned);
+}
+
+// --- the SSD tier (store/tier/disk.hpp on the owning client)
+
+namespace {
+
+struct ssd_dir {
+  std::string path;
+  ssd_dir() {
+    const char* t = std::getenv("TMPDIR");
+    std::string tmpl = std::string(t != nullptr && *t != '\0' ? t : "/tmp") + "/kvlink-ssd-XXXXXX";
+    REQUIRE(::mkdtemp(tmpl.data()) != nullptr);
+    path = tmpl;
+  }
+  ~ssd_dir() {
+    std::error_code ignored;
+    std::filesystem::remove_all(path, ignored);
+  }
+};
+
+// Puts `count` objects of `piece` bytes (pattern seed 100 + i), each
+// retried while the pool answers no_space (eviction makes room).
+int fill(member& w, const std::string& prefix, int count, std::uint64_t piece) {
+  int landed = 0;
+  for (int i = 0; i < count; ++i) {
+    const std::string key = prefix + std::to_string(i);
+    for (int attempt = 0; attempt < 400; ++attempt) {
+      const auto ec = w.put(key, 0, piece, 100 + static_cast<std::uint64_t>(i));
+      if (!ec) {
+        ++landed;
+        break;
+      }
+      if (ec != kvlink::store_errc::no_space) {
+        FAIL_CHECK("put " << key << ": " << ec.message());
+        break;
+      }
+      std::this_thread::sleep_for(std::chrono::milliseconds(5));
+    }
+  }
+  return landed;
+}
+
+// Objects read back with their bytes; other answers must be object_not_found.
+int read_back(member& w, const std::string& prefix, int count, std::uint64_t piece) {
+  int good = 0;
+  for (int i = 0; i < count; ++i) {
+    const std::string key = prefix + std::to_string(i);
+    std::uint64_t size = 0;
+    std::fill_n(w.work.data(), piece, std::byte{0});
+    const auto ec = w.get(key, 0, piece, size);
+    if (ec) {
+      CHECK_MESSAGE(ec == kvlink::store_errc::object_not_found, key << ": " << ec.message());
+      continue;
+    }
+    CHECK(size == piece);
+    const bool same = is_pattern(w.work.data(), piece, 100 + static_cast<std::uint64_t>(i), 0);
+    CHECK_MESSAGE(same, key << ": other bytes");
+    good += same ? 1 : 0;
+  }
+  return good;
+}
+
+}  // namespace
+
+TEST_CASE(
+    "store client: the SSD tier keeps what eviction takes, reads it back, survives a restart") {
+  // Leases shorter than the default 10 s: each get leases what it read, and
+  // a 1 MiB pool full of leased objects has no room to read others back.
+  store::master_config cfg;
+  cfg.lease_ttl = std::chrono::milliseconds(50);
+  rig r(2, cfg);
+  ssd_dir dir;
+  constexpr std::uint64_t piece = 64u << 10;
+  constexpr int count = 48;  // 3 MiB through a 1 MiB pool
+  {
+    member a(r, 1u << 20, 1u << 20, dir.path);  // the pool and its disk
+    member w(r, 0, 1u << 20);                   // writer and reader
+    REQUIRE(fill(w, "ssd/", count, piece) == count);
+    // Nothing was lost: the objects eviction took went to a's disk and are
+    // read back into its segment when asked for.
+    CHECK(read_back(w, "ssd/", count, piece) == count);
+    // And again, now that reading them back evicted others in turn.
+    CHECK(read_back(w, "ssd/", count, piece) == count);
+    const std::string metrics = r.master->service().metrics_text();
+    MESSAGE(metrics.substr(metrics.find("kvlink_store_disk_tasks_total")));
+    CHECK(metrics.find("kvlink_store_disks 1") != std::string::npos);
+    CHECK(metrics.find("kvlink_store_disk_tasks_total{kind=\"store\"} 0") == std::string::npos);
+    CHECK(metrics.find("kvlink_store_disk_tasks_total{kind=\"load\"} 0") == std::string::npos);
+    CHECK(metrics.find("kvlink_store_disk_failures_total 0") != std::string::npos);
+    // A removed object leaves the disk too (its drop task): not back after
+    // the restart below.
+    CHECK(error_of([&](auto h) { w.client.async_remove("ssd/0", true, h); }) == std::error_code{});
+  }
+  // The owner went (its segment and its disk left the pool): a new owner on
+  // the same directory announces what the disk holds; every object that
+  // went to the disk is readable again, with its bytes.
+  member a(r, 1u << 20, 1u << 20, dir.path);
+  member w(r, 0, 1u << 20);
+  std::uint64_t size = 0;
+  CHECK(w.get("ssd/0", 0, piece, size) == kvlink::store_errc::object_not_found);
+  const int back = read_back(w, "ssd/", count, piece);
+  MESSAGE(back << " of " << count << " objects back from the disk after the restart");
+  CHECK(back >= count - 16);  // at most the segment's worth was never evicted
 }
 
 // --- device memory (KVLINK_TEST_DEVICE: the emulated device in unit.store,

@@ -29,6 +29,7 @@ TEST_CASE("store_errc: Mooncake's integers") {
   CHECK(mooncake_code(store_errc::rpc_failed) == -900);
   CHECK(mooncake_code(store_errc::rpc_timeout) == -901);
   CHECK(mooncake_code(store_errc::object_hard_pinned) == -706);
+  CHECK(mooncake_code(store_errc::object_loading) == -703);
   CHECK(mooncake_code(std::make_error_code(std::errc::io_error)) == -1);
 }
 

@@ -446,3 +446,239 @@ TEST_CASE("object_table: without object records an object takes its own bytes on
   CHECK_FALSE(t.remove("a", at(0)));
   CHECK(t.stats().used == 0);
 }
+
+// ---- the SSD tier: replicas on clients' disks -------------------------
+
+namespace {
+
+// Two CLOCK turns over every shard, evicting whatever may go.
+evict_step evict_everything(object_table& t, master_time now) {
+  evict_step sum;
+  for (int turn = 0; turn < 2; ++turn) {
+    for (std::size_t s = 0; s < shard_count; ++s) {
+      const evict_step st = t.evict_from_shard(s, now, 1u << 20, UINT64_MAX, false);
+      sum.freed += st.freed;
+      sum.evicted += st.evicted;
+      sum.demoting += st.demoting;
+      sum.demoted += st.demoted;
+    }
+  }
+  return sum;
+}
+
+std::vector<disk_task> tasks_of(object_table& t) {
+  std::vector<disk_task> out;
+  t.take_disk_tasks(out);
+  return out;
+}
+
+}  // namespace
+
+TEST_CASE("object_table: eviction sends objects to a disk, a get loads them back") {
+  object_table t;
+  const segment_id seg = mount(t, 1, "s", 1 << 20);
+  t.mount_disk(1, 1 << 30);
+  CHECK(t.has_disk(1));
+  CHECK(t.stats().disks == 1);
+  put(t, "a", 1000, at(0));
+  put(t, "b", 2000, at(0));
+  object_info where_a;
+  REQUIRE_FALSE(t.describe("a", where_a));
+  const std::uint64_t used = t.stats().used;
+
+  // First round: both go to client 1's disk; nothing is freed yet and both
+  // stay readable from memory.
+  const evict_step first = evict_everything(t, at(100));
+  CHECK(first.demoted == 2);
+  CHECK(first.freed == 0);
+  CHECK(first.demoting > 0);
+  CHECK(t.stats().used == used);
+  auto tasks = tasks_of(t);
+  REQUIRE(tasks.size() == 2);
+  for (const auto& task : tasks) {
+    CHECK(task.what == disk_task::kind::store);
+    CHECK(task.client == 1);
+    CHECK(task.segment == seg.value());
+    CHECK(task.size == (task.key == "a" ? 1000u : 2000u));
+  }
+  object_info info;
+  CHECK_FALSE(t.get("a", at(100), info));
+  CHECK(evict_everything(t, at(20'000)).demoted == 0);  // under way: not again
+  CHECK(tasks_of(t).empty());
+
+  // Reports: a mismatched one is refused, the real ones land.
+  CHECK(t.disk_stored("a", 2, seg.value(), where_a.replicas[0].offset, true) ==
+        store_errc::object_not_found);
+  CHECK(t.disk_stored("a", 1, seg.value(), where_a.replicas[0].offset + 64, true) ==
+        store_errc::object_not_found);
+  for (const auto& task : tasks) {
+    CHECK_FALSE(t.disk_stored(task.key, 1, task.segment, task.offset, true));
+  }
+  CHECK(t.disk_stored("a", 1, seg.value(), where_a.replicas[0].offset, true) ==
+        store_errc::object_not_found);  // once
+  CHECK(t.stats().disk_replicas == 2);
+  REQUIRE_FALSE(t.describe("a", info));
+  CHECK(info.replicas.size() == 1);  // readers see memory replicas only
+
+  // Second round: memory freed, the objects stay on the disk.
+  const evict_step second = evict_everything(t, at(30'000));
+  CHECK(second.evicted == 2);
+  CHECK(second.demoted == 0);
+  CHECK(t.stats().used == 0);
+  CHECK(t.stats().objects == 2);
+  CHECK_FALSE(t.exists("a", at(30'000)));
+  REQUIRE_FALSE(t.describe("a", info));
+  CHECK(info.size == 1000);
+  CHECK(info.replicas.empty());
+
+  // A get starts a load into the holder's segment; readers wait for it.
+  CHECK(t.get("a", at(31'000), info) == store_errc::object_loading);
+  tasks = tasks_of(t);
+  REQUIRE(tasks.size() == 1);
+  CHECK(tasks[0].what == disk_task::kind::load);
+  CHECK(tasks[0].client == 1);
+  CHECK(tasks[0].key == "a");
+  CHECK(tasks[0].size == 1000);
+  CHECK(tasks[0].segment == seg.value());
+  CHECK(t.get("a", at(31'001), info) == store_errc::object_loading);
+  CHECK(tasks_of(t).empty());  // one load at a time
+  CHECK(t.stats().used > 0);
+  CHECK(t.disk_loaded("a", 2, tasks[0].segment, tasks[0].offset, true) ==
+        store_errc::object_not_found);
+  CHECK_FALSE(t.disk_loaded("a", 1, tasks[0].segment, tasks[0].offset, true));
+  REQUIRE_FALSE(t.get("a", at(31'002), info));
+  REQUIRE(info.replicas.size() == 1);
+  CHECK(info.replicas[0].offset == tasks[0].offset);
+  CHECK(info.size == 1000);
+
+  // On the disk still: the next eviction frees its memory without a store.
+  CHECK(evict_everything(t, at(60'000)).evicted == 1);
+  CHECK(tasks_of(t).empty());
+  CHECK(t.stats().used == 0);
+
+  // remove deletes the disk copies.
+  CHECK_FALSE(t.remove("a", at(60'000)));
+  CHECK(t.remove_all(at(60'000)) == 1);
+  tasks = tasks_of(t);
+  REQUIRE(tasks.size() == 2);
+  std::set<std::string> dropped;
+  for (const auto& task : tasks) {
+    CHECK(task.what == disk_task::kind::drop);
+    CHECK(task.client == 1);
+    dropped.insert(task.key);
+  }
+  CHECK(dropped == std::set<std::string>{"a", "b"});
+  CHECK(t.stats().objects == 0);
+  CHECK(t.stats().disk_replicas == 0);
+}
+
+TEST_CASE("object_table: a failed disk copy leaves the object to plain eviction") {
+  object_table t;
+  const segment_id seg = mount(t, 1, "s", 1 << 20);
+  const segment_id other = mount(t, 2, "s", 1 << 20);
+  t.mount_disk(1, 1 << 30);
+  std::vector<segment_id> only_1{seg}, only_2{other};
+  put(t, "mine", 1000, at(0), {.preferred = only_1});
+  put(t, "theirs", 1000, at(0), {.preferred = only_2});  // client 2 has no disk
+  const evict_step r = evict_everything(t, at(100));
+  CHECK(r.demoted == 1);
+  CHECK(r.evicted == 1);
+  object_info info;
+  CHECK(t.get("theirs", at(100), info) == store_errc::object_not_found);
+  auto tasks = tasks_of(t);
+  REQUIRE(tasks.size() == 1);
+  CHECK(tasks[0].key == "mine");
+  CHECK_FALSE(t.disk_stored("mine", 1, tasks[0].segment, tasks[0].offset, false));
+  CHECK(t.stats().disk_replicas == 0);
+  CHECK(evict_everything(t, at(200)).evicted == 1);  // no second try
+  CHECK(tasks_of(t).empty());
+  CHECK(t.get("mine", at(200), info) == store_errc::object_not_found);
+}
+
+TEST_CASE("object_table: disk manifests, drops, failed loads and a holder that leaves") {
+  object_table t;
+  const segment_id seg = mount(t, 1, "s", 1 << 20);
+  CHECK(t.disk_adopt("k", 100, 1) == store_errc::client_not_found);  // no disk mounted
+  t.mount_disk(1, 1 << 30);
+  CHECK(t.disk_adopt("", 100, 1) == store_errc::invalid_key);
+  CHECK(t.disk_adopt("k", 0, 1) == store_errc::invalid_params);
+  CHECK_FALSE(t.disk_adopt("k", 100, 1));
+  CHECK_FALSE(t.disk_adopt("k", 100, 1));  // the same again: nothing new
+  CHECK(t.disk_adopt("k", 101, 1) == store_errc::object_already_exists);
+  put(t, "m", 500, at(0));
+  CHECK_FALSE(t.disk_adopt("m", 500, 1));  // a memory object gains the disk replica
+  CHECK(t.stats().disk_replicas == 2);
+  CHECK(t.stats().objects == 2);
+  object_info info;
+  replica_list w;
+  CHECK(t.put_start("k", 100, 7, {}, at(0), w) == store_errc::object_already_exists);
+
+  // The disk lost "k" on its own (its space eviction): gone.
+  CHECK_FALSE(t.disk_dropped("k", 1));
+  CHECK(t.disk_dropped("k", 1) == store_errc::object_not_found);
+  CHECK(t.get("k", at(0), info) == store_errc::object_not_found);
+  CHECK(t.stats().disk_replicas == 1);
+
+  // A load that fails loses an object whose disk copy was its last.
+  CHECK_FALSE(t.disk_adopt("d", 300, 1));
+  CHECK(t.get("d", at(0), info) == store_errc::object_loading);
+  auto tasks = tasks_of(t);
+  REQUIRE(tasks.size() == 1);
+  CHECK_FALSE(t.disk_loaded("d", 1, tasks[0].segment, tasks[0].offset, false));
+  CHECK(t.get("d", at(0), info) == store_errc::object_not_found);
+  CHECK(t.stats().reserved > 0);  // the range waits out put_release_timeout
+
+  // A load nobody reports is given up by reclaim; a get tries again.
+  CHECK_FALSE(t.disk_adopt("e", 300, 1));
+  CHECK(t.get("e", at(0), info) == store_errc::object_loading);
+  tasks = tasks_of(t);
+  REQUIRE(tasks.size() == 1);
+  CHECK(t.reclaim(at(29'000)).disk_tasks_given_up == 0);
+  CHECK(t.reclaim(at(30'000)).disk_tasks_given_up == 1);
+  CHECK(t.disk_loaded("e", 1, tasks[0].segment, tasks[0].offset, true) ==
+        store_errc::object_not_found);
+  CHECK(t.get("e", at(30'001), info) == store_errc::object_loading);
+  CHECK(tasks_of(t).size() == 1);
+
+  // The load's segment goes: the load ends with it, and a holder without a
+  // segment cannot load.
+  CHECK_FALSE(t.unmount_segment(seg));
+  CHECK(t.reclaim(at(200'000)).disk_tasks_given_up == 0);
+  CHECK(t.get("e", at(200'000), info) == store_errc::no_space);
+  CHECK(tasks_of(t).empty());
+
+  // The disk leaves: its objects with it ("m" lost its memory with the segment).
+  CHECK(t.stats().objects == 2);
+  CHECK(t.unmount_disk(1) == 2);
+  CHECK(t.stats().objects == 0);
+  CHECK(t.stats().disk_replicas == 0);
+  CHECK_FALSE(t.has_disk(1));
+  CHECK(t.unmount_disk(1) == 0);
+}
+
+TEST_CASE("object_table: removing an object a disk holder is copying keeps its range") {
+  object_table t;
+  mount(t, 1, "s", 1 << 20);
+  t.mount_disk(1, 1 << 30);
+  put(t, "a", 1000, at(0));
+  CHECK(evict_everything(t, at(100)).demoted == 1);
+  auto tasks = tasks_of(t);
+  REQUIRE(tasks.size() == 1);
+  CHECK_FALSE(t.remove("a", at(100)));
+  CHECK(t.stats().reserved > 0);  // the holder may still be reading it
+  CHECK(t.disk_stored("a", 1, tasks[0].segment, tasks[0].offset, true) ==
+        store_errc::object_not_found);  // the holder deletes its copy
+  // Held by a load: the same.
+  CHECK_FALSE(t.disk_adopt("b", 100, 1));
+  object_info info;
+  CHECK(t.get("b", at(200), info) == store_errc::object_loading);
+  const std::uint64_t reserved = t.stats().reserved;
+  CHECK_FALSE(t.remove("b", at(200)));
+  CHECK(t.stats().reserved > reserved);
+  tasks = tasks_of(t);
+  REQUIRE(tasks.size() == 2);  // the load, then the drop
+  CHECK(tasks[1].what == disk_task::kind::drop);
+  CHECK(t.reclaim(at(700'000)).released == 2);
+  CHECK(t.stats().reserved == 0);
+  CHECK(t.stats().used == 0);
+}

@@ -160,6 +160,104 @@ TEST_CASE("master service: a mount with objects takes them back; eviction waits 
   CHECK(t.stats().objects < 3);
 }
 
+TEST_CASE("master service: the SSD tier's messages and the tasks it sends") {
+  store::master_config cfg;
+  cfg.eviction_high_watermark = 50;
+  store::master_service svc{cfg, {}};
+  auto owner = svc.attach_client(kvlink::make_instance_id(), "10.0.0.1:5", at(0));
+  auto other = svc.attach_client(kvlink::make_instance_id(), "10.0.0.2:5", at(0));
+  const auto disk_mount = static_cast<std::uint16_t>(wire::message_type::disk_mount);
+  const auto disk_report = static_cast<std::uint16_t>(wire::message_type::disk_report);
+  const auto disk_task = static_cast<std::uint16_t>(wire::message_type::disk_task);
+  auto a = handle(svc, owner.session, t_mount, body_of([](wire::writer& w) {
+                    wire::mount_request{"s", 64 << 10, 0, {}}.encode(w);
+                  }));
+  wire::reader rm(a.body);
+  REQUIRE(!rm.status());
+  const std::uint64_t seg = rm.u64();
+  a = handle(svc, owner.session, disk_mount, body_of([](wire::writer& w) { w.u64(1u << 30); }));
+  wire::reader r0(a.body);
+  CHECK_FALSE(r0.status());
+  CHECK(r0.finish() == std::error_code{});
+  CHECK(svc.objects().has_disk(owner.session.client->id));
+  // A client may not send tasks; a report's body is checked.
+  a = handle(svc, other.session, disk_task, "");
+  wire::reader r1(a.body);
+  CHECK(r1.status() == errc::invalid_argument);
+  a = handle(svc, other.session, disk_report, body_of([](wire::writer& w) {
+               w.u32(1);
+               w.u8(9);  // no such kind
+             }));
+  CHECK(a.close);
+  // Its manifest: taken, except for a client without a disk.
+  const auto manifest = body_of([](wire::writer& w) {
+    wire::disk_entries{{{1, "m1", 1000, 0, 0, 0}, {1, "m2", 2000, 0, 0, 0}}}.encode(w, true);
+  });
+  a = handle(svc, owner.session, disk_report, manifest);
+  wire::reader r2(a.body);
+  REQUIRE(!r2.status());
+  wire::code_list codes;
+  REQUIRE(!codes.decode(r2));
+  CHECK(codes.codes == std::vector<std::uint32_t>{0, 0});
+  a = handle(svc, other.session, disk_report, manifest);
+  wire::reader r3(a.body);
+  REQUIRE(!r3.status());
+  REQUIRE(!codes.decode(r3));
+  CHECK(codes.codes ==
+        std::vector<std::uint32_t>(2, static_cast<std::uint32_t>(store_errc::client_not_found)));
+  // A get of a disk-only object answers object_loading and sends its
+  // holder one load task in a disk_task frame.
+  a = handle(svc, other.session, static_cast<std::uint16_t>(wire::message_type::get),
+             body_of([](wire::writer& w) {
+               wire::key_batch{false, {"m1"}}.encode(w, false);
+             }));
+  wire::reader r4(a.body);
+  REQUIRE(!r4.status());
+  wire::placement_list pl;
+  REQUIRE(!pl.decode(r4, true));
+  CHECK(pl.entries[0].code == static_cast<std::uint32_t>(store_errc::object_loading));
+  auto frames = svc.take_disk_frames();
+  REQUIRE(frames.size() == 1);
+  CHECK(frames[0].client == owner.session.client->id);
+  CHECK(frames[0].tasks == 1);
+  wire::header_bytes hb{};
+  std::copy_n(frames[0].bytes.begin(), wire::header_size, hb.begin());
+  wire::frame_header th;
+  REQUIRE(!wire::decode_header(hb, UINT32_MAX, th));
+  CHECK(th.kind() == wire::message_type::disk_task);
+  CHECK_FALSE(th.is_reply());
+  CHECK(th.id == 0);
+  wire::reader rt(std::string_view(frames[0].bytes).substr(wire::header_size));
+  wire::disk_entries tasks;
+  REQUIRE(!tasks.decode(rt, false));
+  REQUIRE(tasks.entries.size() == 1);
+  CHECK(tasks.entries[0].kind == static_cast<std::uint8_t>(wire::disk_task_kind::load));
+  CHECK(tasks.entries[0].key == "m1");
+  CHECK(tasks.entries[0].size == 1000);
+  CHECK(tasks.entries[0].segment == seg);
+  // The load's report makes it readable.
+  const std::string loaded_key(tasks.entries[0].key);
+  const std::uint64_t loaded_at = tasks.entries[0].offset;
+  a = handle(svc, owner.session, disk_report, body_of([&](wire::writer& w) {
+               wire::disk_entries{{{3, loaded_key, 1000, seg, loaded_at, 0}}}.encode(w, true);
+             }));
+  wire::reader r5(a.body);
+  REQUIRE(!r5.status());
+  REQUIRE(!codes.decode(r5));
+  CHECK(codes.codes == std::vector<std::uint32_t>{0});
+  store::object_info info;
+  CHECK_FALSE(svc.objects().get("m1", at(0), info));
+  const std::string metrics = svc.metrics_text();
+  CHECK(metrics.find("kvlink_store_disks 1\n") != std::string::npos);
+  CHECK(metrics.find("kvlink_store_disk_replicas 2\n") != std::string::npos);
+  CHECK(metrics.find("kvlink_store_disk_tasks_total{kind=\"load\"} 1\n") != std::string::npos);
+  CHECK(metrics.find("kvlink_store_disk_reports_total{kind=\"adopt\"} 4\n") != std::string::npos);
+  // The disk leaves: "m2", on it only, goes with it.
+  a = handle(svc, owner.session, disk_mount, body_of([](wire::writer& w) { w.u64(0); }));
+  CHECK(svc.objects().get("m2", at(0), info) == store_errc::object_not_found);
+  CHECK_FALSE(svc.objects().get("m1", at(0), info));  // in memory still
+}
+
 TEST_CASE("master service: a segment announced over several frames stays closed until the last") {
   store::master_config cfg;
   store::master_service svc{cfg, {}};

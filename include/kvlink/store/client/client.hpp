@@ -55,6 +55,18 @@
 // and segment ids of a master this client is no longer connected to are
 // never used with another.
 //
+// The SSD tier (client_options::disk_path): objects the master evicts from
+// this client's segments are first copied to a directory on this host's
+// disk (store/tier/disk.hpp) when the master asks (a disk_task frame); a
+// get of such an object, by any client, has this client read it back into
+// one of its segments, and the reader's get waits for that (the master
+// answers object_loading meanwhile; the get asks again every few
+// milliseconds, up to request_timeout). What the disk holds is announced
+// at every connection, so it is readable again after this client or the
+// master restarts. The disk's I/O runs on two threads of its own. An I/O
+// error (a full or read-only disk) takes the disk out of the pool, logged;
+// the memory tier goes on.
+//
 // Thread safety: every member may be called from any thread; the client's
 // state lives on a strand of the engine's executor, and handlers run on
 // their associated executor (by default the engine's). The engine must
@@ -72,17 +84,20 @@
 #include <kvlink/memory/device.hpp>
 #include <kvlink/metadata/etcd.hpp>
 #include <kvlink/store/error.hpp>
+#include <kvlink/store/tier/disk.hpp>
 #include <kvlink/store/wire/leader.hpp>
 #include <kvlink/store/wire/protocol.hpp>
 #include <kvlink/store/wire/record.hpp>
 
 #include <algorithm>
+#include <atomic>
 #include <chrono>
 #include <cstddef>
 #include <cstdint>
 #include <cstring>
 #include <deque>
 #include <fstream>
+#include <functional>
 #include <iterator>
 #include <map>
 #include <memory>
@@ -104,6 +119,7 @@
 #include <asio/read.hpp>
 #include <asio/steady_timer.hpp>
 #include <asio/strand.hpp>
+#include <asio/thread_pool.hpp>
 #include <asio/write.hpp>
 #include <nlohmann/json.hpp>
 
@@ -127,6 +143,16 @@ struct client_options {
   std::chrono::milliseconds reconnect_interval{500};
   /// The largest reply accepted (bytes of a frame's body).
   std::uint32_t max_body = wire::default_max_body;
+  /// The SSD tier: a directory on this host's disk (store/tier/disk.hpp)
+  /// where objects the master evicts from this client's segments are kept,
+  /// read back into a segment when they are read again, and found again
+  /// after this client restarts ("" none: evicted objects are dropped).
+  /// Opened by the constructor (which throws when it cannot be).
+  std::string disk_path{};
+  /// The most bytes the tier's files take (required with disk_path).
+  std::uint64_t disk_capacity = 0;
+  /// O_DIRECT where the file system takes it (false: the page cache).
+  bool disk_direct_io = true;
 };
 
 /// Where one replica of an object is (client::async_describe_batch).
@@ -193,6 +219,14 @@ class client_state : public std::enable_shared_from_this<client_state> {
     std::string_view host;
     std::uint16_t port = 0;
     if (split_host_port(eng.local_address(), host, port)) host_ = std::string(host);
+    if (!opt_.disk_path.empty()) {
+      disk_ = std::make_shared<tier::disk_tier>(
+          tier::disk_options{opt_.disk_path, opt_.disk_capacity, 0, opt_.disk_direct_io});
+      disk_pool_ = std::make_unique<asio::thread_pool>(2);
+      const auto st = disk_->stats();
+      kvlink::detail::log("store: SSD tier at {}: {} object(s), {} of {} bytes", opt_.disk_path,
+                          st.objects, st.used_bytes, opt_.disk_capacity);
+    }
   }
 
   strand_type& strand() noexcept { return strand_; }
@@ -491,7 +525,45 @@ class client_state : public std::enable_shared_from_this<client_state> {
     std::span<std::error_code> results;
   };
 
+  // A get whose keys on a disk only are asked for again (the master reads
+  // them back into memory meanwhile: object_loading) every few
+  // milliseconds until they arrive or request_timeout passes.
   asio::awaitable<std::error_code> get(get_batch_args a) {
+    const auto deadline = std::chrono::steady_clock::now() + opt_.request_timeout;
+    if (auto ec = co_await get_once(a)) co_return ec;
+    auto delay = std::chrono::milliseconds(1);
+    for (;;) {
+      std::vector<std::size_t> waiting;
+      for (std::size_t i = 0; i < a.keys.size(); ++i) {
+        if (a.results[i] == store_errc::object_loading) waiting.push_back(i);
+      }
+      if (waiting.empty() || closed_ || std::chrono::steady_clock::now() >= deadline) break;
+      asio::steady_timer pause(strand_, delay);
+      (void)co_await pause.async_wait(control::use_nothrow);
+      delay = std::min(delay * 2, std::chrono::milliseconds(50));
+      get_batch_args b;
+      std::vector<std::error_code> results(waiting.size());
+      std::vector<std::uint64_t> sizes(waiting.size());
+      b.first.push_back(0);
+      for (const std::size_t i : waiting) {
+        b.keys.push_back(a.keys[i]);
+        for (std::size_t p = a.first[i]; p < a.first[i + 1]; ++p) b.pieces.push_back(a.pieces[p]);
+        b.first.push_back(b.pieces.size());
+        b.capacities.push_back(a.capacities[i]);
+      }
+      b.results = results;
+      b.sizes = sizes;
+      const auto ec = co_await get_once(b);
+      for (std::size_t k = 0; k < waiting.size(); ++k) {
+        a.results[waiting[k]] = ec ? ec : results[k];
+        a.sizes[waiting[k]] = ec ? 0 : sizes[k];
+      }
+      if (ec) break;
+    }
+    co_return std::error_code{};
+  }
+
+  asio::awaitable<std::error_code> get_once(get_batch_args& a) {
     const std::size_t n = a.keys.size();
     std::fill(a.results.begin(), a.results.end(), std::error_code{});
     std::fill(a.sizes.begin(), a.sizes.end(), std::uint64_t{0});
@@ -767,9 +839,18 @@ class client_state : public std::enable_shared_from_this<client_state> {
     co_return result<wire::stats_reply>{std::error_code{}, s};
   }
 
+  // The disk's threads stop: tasks not started are dropped (the master
+  // gives them up), the ones running finish before this returns.
+  void stop_disk() {
+    if (!disk_pool_) return;
+    disk_pool_->stop();
+    disk_pool_->join();
+  }
+
   // The destructor's: no more operations, no I/O, the engine untouched.
   void abandon() {
     closed_ = true;
+    stop_disk();
     if (etcd_) etcd_->shutdown();
     drop_connection(make_error_code(errc::cancelled));
     tick_.cancel();
@@ -780,9 +861,23 @@ class client_state : public std::enable_shared_from_this<client_state> {
     // Our segments leave the pool first (their objects with them), then
     // the engine forgets them.
     if (connected_) {
+      if (disk_ && !disk_failed_) {
+        // Its objects cannot be read while this client is away; they come
+        // back with its manifest when it mounts the disk again.
+        wire::writer w(wire::message_type::disk_mount, 0, false);
+        w.u64(0);
+        std::string body;
+        std::string frame = w.take();
+        (void)co_await request(std::move(frame), body);
+      }
       for (const auto& m : mounts_) (void)co_await unmount_at_master(m);
     }
     closed_ = true;
+    stop_disk();
+    // The tier's directory is free for another client once close completes
+    // (the pool first: tasks it never ran hold the tier too).
+    disk_pool_.reset();
+    disk_.reset();
     for (const auto& m : mounts_) {
       auto [ec] = co_await eng_.async_unregister_segment(m.engine_segment, control::use_nothrow);
       (void)ec;
@@ -1206,6 +1301,247 @@ class client_state : public std::enable_shared_from_this<client_state> {
     co_return std::error_code{};
   }
 
+  // ------------------------------------------------------------ SSD tier
+
+  // Tells the master this client's disk is in the tier and what it holds
+  // (its manifest, in frames of up to half the master's max_body). Keys the
+  // master does not take are deleted from the disk.
+  asio::awaitable<std::error_code> mount_disk_at_master() {
+    if (!disk_ || disk_failed_) co_return std::error_code{};
+    {
+      wire::writer w(wire::message_type::disk_mount, 0, false);
+      w.u64(opt_.disk_capacity);
+      std::string body;
+      std::string frame = w.take();
+      if (auto ec = co_await request(std::move(frame), body)) co_return ec;
+    }
+    if (!disk_) co_return std::error_code{};  // closed meanwhile
+    std::vector<std::pair<std::string, std::uint64_t>> held;
+    disk_->for_each([&](std::string_view key, std::uint64_t size) {
+      held.emplace_back(std::string(key), size);
+    });
+    std::vector<report_entry> entries;
+    entries.reserve(held.size());
+    for (auto& [key, size] : held) {
+      entries.push_back({wire::disk_report_kind::adopt, std::move(key), size, 0, 0, 0});
+    }
+    const auto ec = co_await send_disk_reports(std::move(entries));
+    if (!ec && !held.empty()) {
+      kvlink::detail::log("store: SSD tier at {}: {} object(s) announced to the master at {}",
+                          opt_.disk_path, held.size(), master_address_);
+    }
+    co_return ec;
+  }
+
+  // One line of a disk_report (owning its key).
+  struct report_entry {
+    wire::disk_report_kind kind{};
+    std::string key;
+    std::uint64_t size = 0;
+    std::uint64_t segment = 0;
+    std::uint64_t offset = 0;
+    std::uint32_t code = 0;
+  };
+
+  // Sends reports in frames the master takes; deletes from the disk the
+  // objects the master refused to count on it (a store it no longer
+  // wanted, a manifest entry it holds otherwise).
+  asio::awaitable<std::error_code> send_disk_reports(std::vector<report_entry> entries) {
+    const std::size_t budget = std::max<std::size_t>(master_max_body_ / 2, 512);
+    std::size_t at = 0;
+    std::vector<std::string> refused;
+    while (at < entries.size()) {
+      wire::disk_entries frame;
+      std::size_t bytes = 0;
+      const std::size_t from = at;
+      for (; at < entries.size() && (at == from || bytes < budget) && at - from < wire::max_batch;
+           ++at) {
+        const auto& e = entries[at];
+        frame.entries.push_back(
+            {static_cast<std::uint8_t>(e.kind), e.key, e.size, e.segment, e.offset, e.code});
+        bytes += 31 + e.key.size();
+      }
+      wire::writer w(wire::message_type::disk_report, 0, false);
+      frame.encode(w, true);
+      std::string body;
+      std::string out = w.take();
+      if (auto ec = co_await request(std::move(out), body)) co_return ec;
+      wire::reader r(body);
+      wire::code_list codes;
+      if (codes.decode(r) || codes.codes.size() != at - from) {
+        co_return make_error_code(errc::malformed_message);
+      }
+      // Refused for the object's sake (not for the disk's: client_not_found
+      // when the disk is not mounted there keeps everything).
+      for (std::size_t i = from; i < at; ++i) {
+        const auto kind = entries[i].kind;
+        const auto code = static_cast<store_errc>(codes.codes[i - from]);
+        if (entries[i].code == 0 &&
+            (kind == wire::disk_report_kind::adopt || kind == wire::disk_report_kind::stored) &&
+            (code == store_errc::object_not_found || code == store_errc::object_already_exists ||
+             code == store_errc::invalid_params || code == store_errc::invalid_key)) {
+          refused.push_back(std::move(entries[i].key));
+        }
+      }
+    }
+    if (!refused.empty() && disk_pool_) {
+      asio::post(*disk_pool_, [disk = disk_, keys = std::move(refused)] {
+        for (const auto& k : keys) (void)disk->remove(k);
+      });
+    }
+    co_return std::error_code{};
+  }
+
+  // A disk_task frame from the master: each task runs on the disk's
+  // threads; their reports go back in one disk_report when all are done.
+  void on_disk_tasks(std::string frame_body) {
+    wire::disk_entries tasks;
+    {
+      wire::reader r(frame_body);
+      if (tasks.decode(r, false)) {
+        log_once("store: the master at {} sent a disk task this client cannot read; ignored",
+                 master_address_);
+        return;
+      }
+    }
+    if (!disk_ || !disk_pool_ || closed_) return;  // given up by the master in time
+    struct job {
+      std::vector<report_entry> reports;
+      std::vector<std::string> evicted;
+      std::mutex mu;  // evicted
+      std::atomic<std::size_t> left{0};
+      std::atomic<bool> io_error{false};
+    };
+    auto j = std::make_shared<job>();
+    std::vector<std::function<void()>> work;
+    for (const auto& t : tasks.entries) {
+      const auto kind = static_cast<wire::disk_task_kind>(t.kind);
+      std::string key(t.key);
+      if (kind == wire::disk_task_kind::drop) {
+        work.push_back([disk = disk_, key = std::move(key)] { (void)disk->remove(key); });
+        continue;
+      }
+      const bool store = kind == wire::disk_task_kind::store;
+      const std::size_t slot = j->reports.size();
+      j->reports.push_back({store ? wire::disk_report_kind::stored : wire::disk_report_kind::loaded,
+                            key, t.size, t.segment, t.offset, 0});
+      // The range must lie in one of our segments as the master knows them.
+      const std::uint64_t footprint =
+          records_ ? wire::object_footprint(t.size, key.size()) : t.size;
+      std::byte* at = nullptr;
+      for (const auto& m : mounts_) {
+        if (m.master_segment == t.segment && m.master_segment != 0 && t.offset <= m.size &&
+            footprint != 0 && footprint <= m.size - t.offset) {
+          at = m.base + t.offset;
+        }
+      }
+      if (at == nullptr || t.size == 0) {
+        j->reports[slot].code = static_cast<std::uint32_t>(store_errc::segment_not_found);
+        continue;
+      }
+      work.push_back([j, slot, disk = disk_, key = std::move(key), at, size = t.size, store,
+                      records = records_] {
+        std::error_code ec = store ? store_to_disk(*disk, key, at, size, records, j->evicted, j->mu)
+                                   : load_from_disk(*disk, key, at, size, records);
+        if (ec) {
+          j->reports[slot].code = ec.category() == store_error_category()
+                                      ? static_cast<std::uint32_t>(ec.value())
+                                      : static_cast<std::uint32_t>(store_errc::transfer_failed);
+          if (ec.category() == std::system_category() || ec.category() == std::generic_category()) {
+            j->io_error.store(true);
+          }
+        }
+      });
+    }
+    if (work.empty()) {
+      if (!j->reports.empty()) {
+        asio::co_spawn(strand_,
+                       finish_disk_job(shared_from_this(), std::move(j->reports), {}, false),
+                       asio::detached);
+      }
+      return;
+    }
+    j->left.store(work.size());
+    std::weak_ptr<client_state> weak = weak_from_this();
+    for (auto& w : work) {
+      asio::post(*disk_pool_, [j, w = std::move(w), weak, strand = strand_]() mutable {
+        w();
+        if (j->left.fetch_sub(1) != 1) return;
+        asio::post(strand, [j, weak] {
+          auto self = weak.lock();
+          if (!self || self->closed_) return;
+          asio::co_spawn(self->strand_,
+                         finish_disk_job(self, std::move(j->reports), std::move(j->evicted),
+                                         j->io_error.load()),
+                         asio::detached);
+        });
+      });
+    }
+  }
+
+  // A store task: the object's bytes from our segment to the disk. Its
+  // record, when there is one, must match them (bytes damaged in memory do
+  // not go to the disk).
+  static std::error_code store_to_disk(tier::disk_tier& disk, const std::string& key,
+                                       const std::byte* at, std::uint64_t size, bool records,
+                                       std::vector<std::string>& evicted, std::mutex& mu) {
+    if (records) {
+      const std::span<const std::byte> rec(at + wire::record_offset(size),
+                                           wire::record_size(key.size()));
+      wire::object_record r;
+      if (wire::has_record_magic(rec) &&
+          (!wire::decode_record(rec, 65535, r) || r.key != key || r.size != size ||
+           r.body_crc != kvlink::crc32c(at, size))) {
+        return make_error_code(store_errc::checksum_mismatch);
+      }
+    }
+    std::vector<std::string> gone;
+    const auto ec = disk.put(key, std::span<const std::byte>(at, size), &gone);
+    if (!gone.empty()) {
+      std::lock_guard lock{mu};
+      for (auto& k : gone) evicted.push_back(std::move(k));
+    }
+    return ec;
+  }
+
+  // A load task: the object's bytes from the disk into our segment, and
+  // its record after them (a master that restarts finds it again).
+  static std::error_code load_from_disk(tier::disk_tier& disk, const std::string& key,
+                                        std::byte* at, std::uint64_t size, bool records) {
+    std::uint64_t got = 0;
+    if (auto ec = disk.get(key, std::span<std::byte>(at, size), got)) return ec;
+    if (got != size) return make_error_code(store_errc::object_not_found);  // another object
+    if (records) {
+      wire::encode_record(
+          key, size, kvlink::crc32c(at, size),
+          std::span<std::byte>(at + wire::record_offset(size), wire::record_size(key.size())));
+    }
+    return {};
+  }
+
+  // Reports a frame's tasks (and what the tier evicted meanwhile); an I/O
+  // error takes the disk out of the pool (the memory tier goes on).
+  static asio::awaitable<void> finish_disk_job(std::shared_ptr<client_state> self,
+                                               std::vector<report_entry> reports,
+                                               std::vector<std::string> evicted, bool io_error) {
+    for (auto& k : evicted) {
+      reports.push_back({wire::disk_report_kind::dropped, std::move(k), 0, 0, 0, 0});
+    }
+    if (!reports.empty()) (void)co_await self->send_disk_reports(std::move(reports));
+    if (io_error && !self->disk_failed_ && !self->closed_) {
+      self->disk_failed_ = true;
+      kvlink::detail::log(
+          "store: SSD tier at {}: the disk failed (see the errors above); it leaves the pool "
+          "and evicted objects are dropped until this client restarts",
+          self->opt_.disk_path);
+      wire::writer w(wire::message_type::disk_mount, 0, false);
+      w.u64(0);
+      std::string body;
+      std::string frame = w.take();
+      (void)co_await self->request(std::move(frame), body);
+    }
+  }
+
   // Drops one of our segments at the master (its objects with it).
   asio::awaitable<std::error_code> unmount_at_master(const mount_rec& m) {
     wire::writer w(wire::message_type::unmount, 0, false);
@@ -1328,6 +1664,12 @@ class client_state : public std::enable_shared_from_this<client_state> {
         }
       }
     }
+    // The disk after the segments: its manifest may add disk replicas to
+    // the objects they brought back.
+    if (auto dec = co_await mount_disk_at_master()) {
+      kvlink::detail::log("store: mounting the SSD tier at the master {} failed: {}",
+                          master_address_, dec.message());
+    }
     co_return std::error_code{};
   }
 
@@ -1400,7 +1742,9 @@ class client_state : public std::enable_shared_from_this<client_state> {
       (void)n;
       if (ec) break;
       wire::frame_header h;
-      if (auto dec = wire::decode_header(hb, self->opt_.max_body, h); dec || !h.is_reply()) {
+      const auto dec = wire::decode_header(hb, self->opt_.max_body, h);
+      const bool task = !dec && !h.is_reply() && h.kind() == wire::message_type::disk_task;
+      if (dec || (!h.is_reply() && !task)) {
         kvlink::detail::log(
             "store: the master at {} sent a frame this client cannot read ({}); reconnecting",
             self->master_address_, dec ? dec.message() : std::string("not a reply"));
@@ -1411,6 +1755,10 @@ class client_state : public std::enable_shared_from_this<client_state> {
       auto [ec2, n2] = co_await asio::async_read(*sock, asio::buffer(body), control::use_nothrow);
       (void)n2;
       if (ec2) break;
+      if (task) {
+        self->on_disk_tasks(std::move(body));
+        continue;
+      }
       if (auto it = self->pending_.find(h.id); it != self->pending_.end()) {
         auto handler = std::move(it->second.handler);
         self->pending_.erase(it);
@@ -1500,6 +1848,7 @@ class client_state : public std::enable_shared_from_this<client_state> {
     self->forget_mounts();
     for (auto& m : self->mounts_) (void)co_await self->mount_at_master(m, true);
     self->locations_.clear();
+    (void)co_await self->mount_disk_at_master();
   }
 
   engine& eng_;
@@ -1538,6 +1887,10 @@ class client_state : public std::enable_shared_from_this<client_state> {
   std::size_t arena_users_ = 0;                                     // arena_mu_
   segment_id arena_segment_{};                                      // arena_mu_
   std::map<std::int32_t, std::shared_ptr<device_stream>> streams_;  // run_copies'
+
+  std::shared_ptr<tier::disk_tier> disk_;         // the SSD tier (opt_.disk_path)
+  std::unique_ptr<asio::thread_pool> disk_pool_;  // its I/O, off the engine's threads
+  bool disk_failed_ = false;                      // an I/O error took it out of the pool
 };
 
 }  // namespace detail

@@ -17,6 +17,10 @@
 // bits, one evicts): when nothing may go, it returns at once, and put_start
 // keeps answering no_space (Mooncake's -200) without waiting.
 //
+// With disks in the pool (object_table's SSD tier), a victim whose owner
+// has a disk is copied there first: its bytes count toward the target but
+// are freed by a later round, once the copy is made.
+//
 // The master calls run_once() from one thread, e.g. every 10 ms (concurrent
 // calls are serialized). Thread-safe against every object_table operation.
 #pragma once
@@ -36,8 +40,10 @@ struct eviction_report {
   std::uint64_t target = 0;  ///< bytes it meant to free
   std::uint64_t freed = 0;
   std::size_t evicted = 0;
-  std::size_t steps = 0;     ///< evict_from_shard calls (lock acquisitions)
-  bool soft_pinned = false;  ///< whether it had to evict soft-pinned objects
+  std::uint64_t demoting = 0;  ///< bytes freed later, once their owners' disks hold them
+  std::size_t demoted = 0;     ///< objects sent to disks (object_table's SSD tier)
+  std::size_t steps = 0;       ///< evict_from_shard calls (lock acquisitions)
+  bool soft_pinned = false;    ///< whether it had to evict soft-pinned objects
 };
 
 class evictor {
@@ -69,20 +75,25 @@ class evictor {
                                     cap % 100 * table_.config().eviction_share / 100,
                                 1);
     r.target = over ? used - hwm + share : share;
+    // Copies to disks under way free their share later.
+    r.target -= std::min(r.target, table_.demoting_bytes());
     // Two turns of the clock over every shard at most, per pass.
     const std::size_t turn = table_.bucket_total() + shard_count;
-    for (int pass = 0; pass < 2 && r.freed < r.target; ++pass) {
+    // Bytes being copied to disks count as freed: the next round frees them.
+    for (int pass = 0; pass < 2 && r.freed + r.demoting < r.target; ++pass) {
       const bool soft = pass == 1;
       if (soft && !table_.config().evict_soft_pinned) break;
       std::size_t visited = 0;
-      while (r.freed < r.target && visited < 2 * turn) {
+      while (r.freed + r.demoting < r.target && visited < 2 * turn) {
         const evict_step st =
-            table_.evict_from_shard(cursor_, now, budget_, r.target - r.freed, soft);
+            table_.evict_from_shard(cursor_, now, budget_, r.target - r.freed - r.demoting, soft);
         cursor_ = (cursor_ + 1) % shard_count;
         ++r.steps;
         visited += std::max<std::size_t>(st.visited, 1);
         r.freed += st.freed;
         r.evicted += st.evicted;
+        r.demoting += st.demoting;
+        r.demoted += st.demoted;
         if (soft && st.evicted > 0) r.soft_pinned = true;
       }
     }

@@ -64,6 +64,7 @@
 #include <new>
 #include <span>
 #include <stdexcept>
+#include <string>
 #include <string_view>
 #include <system_error>
 #include <unordered_map>
@@ -139,6 +140,7 @@ struct reclaim_report {
   std::size_t discarded = 0;  ///< puts discarded now
   std::size_t released = 0;   ///< ranges of discarded puts reused now
   std::uint64_t released_bytes = 0;
+  std::size_t disk_tasks_given_up = 0;  ///< stores and loads their holders never reported
 };
 
 struct pool_stats {
@@ -148,21 +150,46 @@ struct pool_stats {
   std::uint64_t in_progress = 0;
   std::uint64_t reserved = 0;  ///< bytes of discarded puts not yet reused
   std::size_t segments = 0;
+  std::uint64_t disk_replicas = 0;  ///< replicas on clients' disks (the SSD tier)
+  std::size_t disks = 0;            ///< clients with a disk mounted
+};
+
+/// Work for a disk holder (a client with a disk mounted): the master
+/// pushes these on its connection (wire::disk_task).
+struct disk_task {
+  enum class kind : std::uint8_t {
+    store = 1,  ///< copy the object from [offset, offset + footprint) of `segment` to the disk
+    load = 2,   ///< read it from the disk into [offset, ...) of `segment`
+    drop = 3,   ///< the key is gone: delete it from the disk
+  };
+  kind what = kind::store;
+  std::uint64_t client = 0;  ///< the disk holder
+  std::string key;
+  std::uint64_t size = 0;  ///< the object's bytes
+  std::uint64_t segment = 0;
+  std::uint64_t offset = 0;
 };
 
 /// What one evict_from_shard call did.
 struct evict_step {
-  std::uint64_t freed = 0;  ///< bytes (rounded as allocated)
-  std::size_t evicted = 0;
-  std::size_t visited = 0;  ///< buckets looked at
+  std::uint64_t freed = 0;     ///< bytes (rounded as allocated)
+  std::size_t evicted = 0;     ///< objects that left memory (those on a disk stay there)
+  std::uint64_t demoting = 0;  ///< bytes to be freed once their disk copies are made
+  std::size_t demoted = 0;     ///< objects sent to their owners' disks
+  std::size_t visited = 0;     ///< buckets looked at
 };
 
 namespace detail {
 
+// A replica: a range of a mounted segment, or (segment with disk_bit set)
+// the disk of the client in the low bits (offset 0).
 struct replica_loc {
   std::uint64_t segment = 0;
   std::uint64_t offset = 0;
 };
+
+inline constexpr std::uint64_t disk_bit = std::uint64_t{1} << 63;
+inline constexpr bool on_disk(const replica_loc& r) noexcept { return (r.segment & disk_bit) != 0; }
 
 // One object in one heap block: this struct, its replicas after the first
 // (`capacity` - 1 of them, fixed at put_start), then its key's bytes. No
@@ -172,6 +199,9 @@ struct object_meta {
   static constexpr std::uint8_t hard_pin = 2;
   static constexpr std::uint8_t referenced = 4;  // CLOCK's second chance
   static constexpr std::uint8_t has_parent = 8;
+  static constexpr std::uint8_t demoting = 16;  // a disk holder copies a memory replica
+  static constexpr std::uint8_t loading = 32;   // a disk holder fills a memory replica
+  static constexpr std::uint8_t no_disk = 64;   // a demotion failed: evicted without one
 
   static constexpr std::int32_t no_soft_pin = INT32_MIN;
 
@@ -217,6 +247,19 @@ struct object_meta {
   void drop_replica(std::size_t i) noexcept {
     replica(i) = replica(count() - 1u);
     set_count(count() - 1u);
+  }
+  /// Replicas in memory (segments), not on disks.
+  std::size_t in_memory() const noexcept {
+    std::size_t n = 0;
+    for (std::size_t i = 0; i < count(); ++i) n += on_disk(replica(i)) ? 0 : 1;
+    return n;
+  }
+  /// The client whose disk holds a replica (the first), 0 when none does.
+  std::uint64_t disk_holder() const noexcept {
+    for (std::size_t i = 0; i < count(); ++i) {
+      if (on_disk(replica(i))) return replica(i).segment & ~disk_bit;
+    }
+    return 0;
   }
 
  private:
@@ -389,14 +432,19 @@ class object_table {
       shard& sh = shards_[s];
       std::lock_guard lock{sh.mu};
       sh.objects.erase_if([&](detail::object_meta& o) {
+        bool had = false;
         for (std::size_t i = 0; i < o.count();) {
           if (o.replica(i).segment == id.value()) {
             o.drop_replica(i);
             ++r.replicas_dropped;
+            had = true;
           } else {
             ++i;
           }
         }
+        // A store or load into a dropped range cannot finish.
+        if (had && o.is(detail::object_meta::demoting)) end_demotion(sh, o, true);
+        if (had && o.is(detail::object_meta::loading)) end_load(sh, o, false);
         if (o.count() != 0) return false;
         ++r.objects_lost;
         forget(sh, o);
@@ -418,6 +466,7 @@ class object_table {
 
   /// Unmounts every segment of a client (it is gone); how many.
   std::size_t unmount_client(std::uint64_t client) {
+    (void)unmount_disk(client);
     std::size_t n = 0;
     for (segment_id id : segments_.segments_of(client)) n += unmount_segment(id) ? 0 : 1;
     return n;
@@ -554,7 +603,7 @@ class object_table {
     std::lock_guard lock{sh.mu};
     detail::object_meta* it = sh.objects.find(key);
     if (it != nullptr && (!it->is(detail::object_meta::complete) || it->size != size ||
-                          it->count() >= max_replicas)) {
+                          it->is(detail::object_meta::loading) || it->count() >= max_replicas)) {
       return store_errc::object_already_exists;
     }
     if (it != nullptr) {
@@ -563,30 +612,190 @@ class object_table {
       }
     }
     if (auto ec = segments_.reserve(segment, offset, footprint)) return ec;
-    const std::size_t k = it == nullptr ? 1 : it->count() + 1;
-    detail::object_ptr o = detail::make_object(key, k);
-    o->size = size;
-    o->set_count(k);
     if (it != nullptr) {
-      o->flags = it->flags;
-      o->time_ms = it->time_ms;
-      o->soft_pin_s = it->soft_pin_s;
-      for (std::size_t i = 0; i + 1 < k; ++i) o->replica(i) = it->replica(i);
-      o->set(detail::object_meta::has_parent, false);
-      if (it->is(detail::object_meta::has_parent)) {
-        o->parent_hash = it->parent_hash;
-        o->set(detail::object_meta::has_parent, true);
-        it->set(detail::object_meta::has_parent, false);  // the link moves to o
-      }
-      sh.objects.erase(it);  // complete: no in-progress entry; the count stays
-    } else {
-      o->set(detail::object_meta::complete, true);
-      o->set(detail::object_meta::referenced, true);
-      objects_.fetch_add(1, std::memory_order_relaxed);
+      add_replica(sh, it, {segment.value(), offset});
+      return {};
     }
-    o->replica(k - 1) = {segment.value(), offset};
+    detail::object_ptr o = detail::make_object(key, 1);
+    o->size = size;
+    o->set_count(1);
+    o->set(detail::object_meta::complete, true);
+    o->set(detail::object_meta::referenced, true);
+    o->replica(0) = {segment.value(), offset};
     sh.objects.insert(std::move(o));
+    objects_.fetch_add(1, std::memory_order_relaxed);
     return {};
+  }
+
+  // ---- the SSD tier: replicas on clients' disks ----------------------
+  //
+  // A client with a disk mounted (mount_disk) keeps objects evicted from
+  // memory: eviction sends an object whose memory replica it owns to its
+  // disk (a store task; the replica stays readable and its range taken
+  // until disk_stored), then drops the memory replicas of objects that have
+  // a disk replica. A get of an object on a disk only starts a load (a range
+  // allocated on the holder's segments, a load task; readers are answered
+  // object_loading until disk_loaded). remove deletes disk copies too (drop
+  // tasks). The holders' reports come back through disk_stored,
+  // disk_loaded, disk_dropped and (a disk's manifest, at its mount)
+  // disk_adopt. Tasks wait in an outbox the server empties
+  // (take_disk_tasks). A store or load not reported within
+  // put_discard_timeout is given up by reclaim().
+
+  /// A client's disk joins the tier (`capacity` bytes, > 0), or leaves it
+  /// (0: unmount_disk).
+  void mount_disk(std::uint64_t client, std::uint64_t capacity) {
+    if (capacity == 0) {
+      (void)unmount_disk(client);
+      return;
+    }
+    std::lock_guard lock{disk_mu_};
+    disks_[client] = capacity;
+  }
+
+  /// The client's disk leaves the tier: its disk replicas are dropped
+  /// (objects left with none vanish), loads from it and stores to it are
+  /// given up. How many replicas were dropped.
+  std::size_t unmount_disk(std::uint64_t client) {
+    {
+      std::lock_guard lock{disk_mu_};
+      if (disks_.erase(client) == 0) return 0;
+    }
+    const std::uint64_t id = detail::disk_bit | client;
+    std::size_t n = 0;
+    for (std::size_t s = 0; s < shard_count; ++s) {
+      shard& sh = shards_[s];
+      std::lock_guard lock{sh.mu};
+      sh.objects.erase_if([&](detail::object_meta& o) {
+        bool had = false;
+        for (std::size_t i = 0; i < o.count();) {
+          if (o.replica(i).segment == id) {
+            o.drop_replica(i);
+            had = true;
+            ++n;
+          } else {
+            ++i;
+          }
+        }
+        if (had) disk_replicas_.fetch_sub(1, std::memory_order_relaxed);
+        if (o.is(detail::object_meta::loading) && had) end_load(sh, o, false);
+        if (o.is(detail::object_meta::demoting) && owns_memory_replica(o, client)) {
+          end_demotion(sh, o, false);
+        }
+        if (o.count() != 0) return false;
+        forget(sh, o);
+        return true;
+      });
+    }
+    return n;
+  }
+
+  bool has_disk(std::uint64_t client) const {
+    std::lock_guard lock{disk_mu_};
+    return disks_.count(client) != 0;
+  }
+
+  /// An object `client`'s disk holds (its manifest at mount): a key the
+  /// table lacks comes back complete, on that disk only; a complete one of
+  /// the same size gains the disk replica. object_already_exists when the
+  /// key is held with another size or is being put (the holder deletes its
+  /// copy), client_not_found when the client has no disk mounted,
+  /// invalid_key, invalid_params (size 0).
+  std::error_code disk_adopt(std::string_view key, std::uint64_t size, std::uint64_t client) {
+    if (auto ec = check_key(key)) return ec;
+    if (size == 0 || footprint_of(size, key.size()) == 0) return store_errc::invalid_params;
+    if (!has_disk(client)) return store_errc::client_not_found;
+    const std::uint64_t id = detail::disk_bit | client;
+    shard& sh = shard_of(detail::hash_key(key));
+    std::lock_guard lock{sh.mu};
+    detail::object_meta* it = sh.objects.find(key);
+    if (it == nullptr) {
+      detail::object_ptr o = detail::make_object(key, 1);
+      o->size = size;
+      o->set_count(1);
+      o->set(detail::object_meta::complete, true);
+      o->replica(0) = {id, 0};
+      sh.objects.insert(std::move(o));
+      objects_.fetch_add(1, std::memory_order_relaxed);
+      disk_replicas_.fetch_add(1, std::memory_order_relaxed);
+      return {};
+    }
+    if (!it->is(detail::object_meta::complete) || it->size != size) {
+      return store_errc::object_already_exists;
+    }
+    for (std::size_t i = 0; i < it->count(); ++i) {
+      if (it->replica(i).segment == id) return {};
+    }
+    if (it->count() >= max_replicas) return store_errc::object_already_exists;
+    add_replica(sh, it, {id, 0});
+    disk_replicas_.fetch_add(1, std::memory_order_relaxed);
+    return {};
+  }
+
+  /// The end of a store task: `client` copied (`ok`) or failed to copy the
+  /// replica at `segment`/`offset` to its disk. object_not_found when no
+  /// such demotion is under way (the object was removed, or its replica
+  /// dropped, or the demotion given up): the holder deletes its copy.
+  std::error_code disk_stored(std::string_view key, std::uint64_t client, std::uint64_t segment,
+                              std::uint64_t offset, bool ok) {
+    if (auto ec = check_key(key)) return ec;
+    shard& sh = shard_of(detail::hash_key(key));
+    std::lock_guard lock{sh.mu};
+    detail::object_meta* it = sh.objects.find(key);
+    if (it == nullptr || !it->is(detail::object_meta::demoting) || !holds(*it, segment, offset) ||
+        segments_.client_of(segment_id{segment}) != client) {
+      return store_errc::object_not_found;
+    }
+    end_demotion(sh, *it, ok);
+    if (!ok) return {};
+    if (it->count() >= max_replicas || !has_disk(client)) return store_errc::object_not_found;
+    add_replica(sh, it, {detail::disk_bit | client, 0});
+    disk_replicas_.fetch_add(1, std::memory_order_relaxed);
+    return {};
+  }
+
+  /// The end of a load task: `client` filled (`ok`) the range at
+  /// `segment`/`offset` from its disk, and the object is readable there; or
+  /// it failed, and the range is freed and its disk replica dropped (the
+  /// object is lost when that was its last replica). object_not_found when
+  /// no such load is under way.
+  std::error_code disk_loaded(std::string_view key, std::uint64_t client, std::uint64_t segment,
+                              std::uint64_t offset, bool ok) {
+    if (auto ec = check_key(key)) return ec;
+    shard& sh = shard_of(detail::hash_key(key));
+    std::lock_guard lock{sh.mu};
+    detail::object_meta* it = sh.objects.find(key);
+    if (it == nullptr || !it->is(detail::object_meta::loading) || !holds(*it, segment, offset) ||
+        !holds(*it, detail::disk_bit | client, 0)) {
+      return store_errc::object_not_found;
+    }
+    end_load(sh, *it, ok);
+    if (!ok) {
+      drop_disk_replica(*it, client);
+      if (it->count() == 0) erase(sh, it);
+    }
+    return {};
+  }
+
+  /// `client`'s disk no longer holds the key (its own space eviction): the
+  /// disk replica is dropped, the object with it when it was the last.
+  /// object_not_found when the table had no such replica.
+  std::error_code disk_dropped(std::string_view key, std::uint64_t client) {
+    if (auto ec = check_key(key)) return ec;
+    shard& sh = shard_of(detail::hash_key(key));
+    std::lock_guard lock{sh.mu};
+    detail::object_meta* it = sh.objects.find(key);
+    if (it == nullptr || !drop_disk_replica(*it, client)) return store_errc::object_not_found;
+    if (it->is(detail::object_meta::loading) && it->disk_holder() == 0) end_load(sh, *it, false);
+    if (it->count() == 0) erase(sh, it);
+    return {};
+  }
+
+  /// Moves the tasks waiting for disk holders to `out` (cleared first).
+  void take_disk_tasks(std::vector<disk_task>& out) {
+    out.clear();
+    std::lock_guard lock{tasks_mu_};
+    out.swap(tasks_);
   }
 
   // ---- lookups --------------------------------------------------------
@@ -615,10 +824,19 @@ class object_table {
     if (it == nullptr) return store_errc::object_not_found;
     detail::object_meta& o = *it;
     if (!o.is(detail::object_meta::complete)) return store_errc::object_in_progress;
+    if (lease_from != nullptr && (o.is(detail::object_meta::loading) || o.in_memory() == 0)) {
+      o.set(detail::object_meta::referenced, true);
+      if (!o.is(detail::object_meta::loading)) {
+        if (auto ec = start_load(sh, it, *lease_from)) return ec;
+      }
+      return store_errc::object_loading;
+    }
     if (lease_from != nullptr) grant_lease(o, *lease_from);
     out.size = o.size;
+    if (o.is(detail::object_meta::loading)) return {};  // describe: on a disk only for now
     out.lease_until = master_time{std::chrono::milliseconds{o.time_ms}};
     for (std::size_t i = 0; i < o.count(); ++i) {
+      if (detail::on_disk(o.replica(i))) continue;
       out.replicas.push_back({segment_id{o.replica(i).segment}, o.replica(i).offset, o.size,
                               replica_status::complete});
     }
@@ -684,7 +902,7 @@ class object_table {
     }
     if (!force && o.is(detail::object_meta::hard_pin)) return store_errc::object_hard_pinned;
     if (!force && o.time_ms > ms(now)) return store_errc::object_has_lease;
-    free_replicas(o);
+    let_go(o);
     erase(sh, it);
     return {};
   }
@@ -702,7 +920,7 @@ class object_table {
             (!force && (o.is(detail::object_meta::hard_pin) || o.time_ms > t))) {
           return false;
         }
-        free_replicas(o);
+        let_go(o);
         forget(sh, o);
         ++n;
         return true;
@@ -720,8 +938,22 @@ class object_table {
     for (std::size_t s = 0; s < shard_count; ++s) {
       shard& sh = shards_[s];
       std::lock_guard lock{sh.mu};
-      if (sh.in_progress.empty()) continue;
       thread_local std::vector<detail::object_meta*> stale;
+      stale.clear();
+      for (detail::object_meta* o : sh.disk_pending) {
+        if (t - o->time_ms >= cfg_.put_discard_timeout.count()) stale.push_back(o);
+      }
+      for (detail::object_meta* o : stale) {
+        // Its holder never reported: the copy is given up (a late report
+        // finds nothing under way; the holder then deletes its copy).
+        if (o->is(detail::object_meta::demoting)) {
+          end_demotion(sh, *o, false);
+        } else {
+          end_load(sh, *o, false);
+        }
+        ++r.disk_tasks_given_up;
+      }
+      if (sh.in_progress.empty()) continue;
       stale.clear();
       for (detail::object_meta* o : sh.in_progress) {
         if (t - o->time_ms >= cfg_.put_discard_timeout.count()) stale.push_back(o);
@@ -759,12 +991,23 @@ class object_table {
     p.objects = objects_.load(std::memory_order_relaxed);
     p.in_progress = in_progress_.load(std::memory_order_relaxed);
     p.segments = segments_.count();
+    p.disk_replicas = disk_replicas_.load(std::memory_order_relaxed);
+    {
+      std::lock_guard lock{disk_mu_};
+      p.disks = disks_.size();
+    }
     std::lock_guard lock{discard_mu_};
     p.reserved = reserved_;
     return p;
   }
 
   // ---- for the evictor (eviction.hpp) ---------------------------------
+
+  /// Bytes of objects being copied to disks (one replica each): a later
+  /// eviction round frees them.
+  std::uint64_t demoting_bytes() const noexcept {
+    return demoting_bytes_.load(std::memory_order_relaxed);
+  }
 
   /// Whether a put failed for space since the last call (and clears it).
   bool take_eviction_request() noexcept {
@@ -801,22 +1044,41 @@ class object_table {
           return true;
         }
         if (!o.is(detail::object_meta::complete) || o.is(detail::object_meta::hard_pin) ||
-            o.time_ms > t || (!soft_pinned_too && o.soft_pinned(t)) || has_children(o)) {
+            o.time_ms > t || (!soft_pinned_too && o.soft_pinned(t)) || has_children(o) ||
+            held_by_disk_task(o) || o.in_memory() == 0) {
           return true;
         }
         if (want == 0) return true;
         victims.push_back(&o);
-        planned += segments_.rounded(footprint_of(o)) * o.count();
+        planned += segments_.rounded(footprint_of(o)) * o.in_memory();
         return planned < want;
       });
       b = (b + 1) % nb;
     }
     sh.hand = b;
     for (detail::object_meta* o : victims) {
-      r.freed += segments_.rounded(footprint_of(*o)) * o->count();
-      ++r.evicted;
-      free_replicas(*o);
-      erase(sh, o);
+      const std::uint64_t bytes = segments_.rounded(footprint_of(*o)) * o->in_memory();
+      if (o->disk_holder() != 0) {
+        // On a disk already: only its memory goes.
+        free_replicas(*o);
+        for (std::size_t i = 0; i < o->count();) {
+          if (detail::on_disk(o->replica(i))) {
+            ++i;
+          } else {
+            o->drop_replica(i);
+          }
+        }
+        r.freed += bytes;
+        ++r.evicted;
+      } else if (start_demotion(sh, *o, t)) {
+        r.demoting += bytes;
+        ++r.demoted;
+      } else {
+        r.freed += bytes;
+        ++r.evicted;
+        free_replicas(*o);
+        erase(sh, o);
+      }
     }
     return r;
   }
@@ -834,9 +1096,10 @@ class object_table {
  private:
   struct alignas(64) shard {
     mutable std::mutex mu;
-    detail::object_index objects;                          // guarded by mu
-    std::unordered_set<detail::object_meta*> in_progress;  // guarded by mu
-    std::size_t hand = 0;                                  // CLOCK hand, guarded by mu
+    detail::object_index objects;                           // guarded by mu
+    std::unordered_set<detail::object_meta*> in_progress;   // guarded by mu
+    std::unordered_set<detail::object_meta*> disk_pending;  // demoting or loading; mu
+    std::size_t hand = 0;                                   // CLOCK hand, guarded by mu
     // Children per parent key hash, for keys of this shard. A leaf lock:
     // taken under any shard's mu, never with another lock under it.
     std::mutex chain_mu;
@@ -902,9 +1165,188 @@ class object_table {
     return footprint_of(o.size, o.key_len);
   }
 
+  // Frees the memory replicas' ranges (disk replicas take no range).
   void free_replicas(const detail::object_meta& o) {
     for (std::size_t i = 0; i < o.count(); ++i) {
+      if (detail::on_disk(o.replica(i))) continue;
       segments_.free(segment_id{o.replica(i).segment}, o.replica(i).offset, footprint_of(o));
+    }
+  }
+
+  // Keeps a range a client may still write or read until
+  // put_release_timeout after `since_ms`, then reuses it.
+  void reserve_range(std::uint64_t segment, std::uint64_t offset, std::uint64_t size,
+                     std::int64_t since_ms) {
+    std::lock_guard lock{discard_mu_};
+    discarded_.push_back({segment, offset, size, since_ms + cfg_.put_release_timeout.count()});
+    reserved_ += segments_.rounded(size);
+  }
+
+  // A complete object leaves the table (remove, remove_all): its ranges are
+  // freed, or kept a while when a disk holder may still copy from or into
+  // them; its disk copies are deleted by drop tasks.
+  void let_go(const detail::object_meta& o) {
+    if (held_by_disk_task(o)) {
+      for (std::size_t i = 0; i < o.count(); ++i) {
+        if (detail::on_disk(o.replica(i))) continue;
+        reserve_range(o.replica(i).segment, o.replica(i).offset, footprint_of(o), o.time_ms);
+      }
+    } else {
+      free_replicas(o);
+    }
+    for (std::size_t i = 0; i < o.count(); ++i) {
+      if (!detail::on_disk(o.replica(i))) continue;
+      push_task({disk_task::kind::drop, o.replica(i).segment & ~detail::disk_bit,
+                 std::string(o.key()), o.size, 0, 0});
+    }
+  }
+
+  static bool held_by_disk_task(const detail::object_meta& o) noexcept {
+    return o.is(detail::object_meta::demoting) || o.is(detail::object_meta::loading);
+  }
+
+  static bool holds(const detail::object_meta& o, std::uint64_t segment,
+                    std::uint64_t offset) noexcept {
+    for (std::size_t i = 0; i < o.count(); ++i) {
+      if (o.replica(i).segment == segment && o.replica(i).offset == offset) return true;
+    }
+    return false;
+  }
+
+  bool owns_memory_replica(const detail::object_meta& o, std::uint64_t client) const {
+    for (std::size_t i = 0; i < o.count(); ++i) {
+      if (detail::on_disk(o.replica(i))) continue;
+      if (segments_.client_of(segment_id{o.replica(i).segment}) == client) return true;
+    }
+    return false;
+  }
+
+  // Drops `client`'s disk replica; whether there was one.
+  bool drop_disk_replica(detail::object_meta& o, std::uint64_t client) {
+    for (std::size_t i = 0; i < o.count(); ++i) {
+      if (o.replica(i).segment == (detail::disk_bit | client)) {
+        o.drop_replica(i);
+        disk_replicas_.fetch_sub(1, std::memory_order_relaxed);
+        return true;
+      }
+    }
+    return false;
+  }
+
+  // Adds a replica to the object, in a bigger block when its own is full
+  // (the old block is deleted: `it` then points to the new one).
+  void add_replica(shard& sh, detail::object_meta*& it, detail::replica_loc r) {
+    if (it->count() < it->capacity()) {
+      it->set_count(it->count() + 1);
+      it->replica(it->count() - 1) = r;
+      return;
+    }
+    const std::size_t k = it->count();
+    detail::object_ptr o = detail::make_object(it->key(), k + 1);
+    o->size = it->size;
+    o->time_ms = it->time_ms;
+    o->parent_hash = it->parent_hash;
+    o->writer = it->writer;
+    o->soft_pin_s = it->soft_pin_s;
+    o->flags = it->flags;  // has_parent: the link moves to o
+    o->set_count(k + 1);
+    for (std::size_t i = 0; i < k; ++i) o->replica(i) = it->replica(i);
+    o->replica(k) = r;
+    const bool pending = sh.disk_pending.erase(it) != 0;
+    const bool progress = sh.in_progress.erase(it) != 0;
+    sh.objects.erase(it);
+    it = o.get();
+    sh.objects.insert(std::move(o));
+    if (pending) sh.disk_pending.insert(it);
+    if (progress) sh.in_progress.insert(it);
+  }
+
+  void push_task(disk_task t) {
+    std::lock_guard lock{tasks_mu_};
+    tasks_.push_back(std::move(t));
+  }
+
+  // The client owning a memory replica of `o` that has a disk, 0 when none
+  // has; `at`: that replica's index.
+  std::uint64_t demotion_target(const detail::object_meta& o, std::size_t& at) const {
+    {
+      std::lock_guard lock{disk_mu_};
+      if (disks_.empty()) return 0;
+    }
+    for (std::size_t i = 0; i < o.count(); ++i) {
+      if (detail::on_disk(o.replica(i))) continue;
+      const std::uint64_t c = segments_.client_of(segment_id{o.replica(i).segment});
+      if (c != 0 && has_disk(c)) {
+        at = i;
+        return c;
+      }
+    }
+    return 0;
+  }
+
+  // Sends an eviction victim to a disk: false when none takes it.
+  bool start_demotion(shard& sh, detail::object_meta& o, std::int64_t now_ms) {
+    if (o.is(detail::object_meta::no_disk)) return false;
+    std::size_t at = 0;
+    const std::uint64_t client = demotion_target(o, at);
+    if (client == 0) return false;
+    o.set(detail::object_meta::demoting, true);
+    demoting_bytes_.fetch_add(segments_.rounded(footprint_of(o)), std::memory_order_relaxed);
+    o.time_ms = now_ms;
+    sh.disk_pending.insert(&o);
+    push_task({disk_task::kind::store, client, std::string(o.key()), o.size, o.replica(at).segment,
+               o.replica(at).offset});
+    return true;
+  }
+
+  // `ok` false: the object is evicted without a disk from now on.
+  void end_demotion(shard& sh, detail::object_meta& o, bool ok) {
+    o.set(detail::object_meta::demoting, false);
+    demoting_bytes_.fetch_sub(segments_.rounded(footprint_of(o)), std::memory_order_relaxed);
+    if (!ok) o.set(detail::object_meta::no_disk, true);
+    sh.disk_pending.erase(&o);
+  }
+
+  // A get of an object on a disk only: a range on its holder's segments
+  // and a load task. no_space when the holder has no segment;
+  // object_loading, no task, when none has room now (eviction is asked
+  // for: the reader's retry may find room).
+  std::error_code start_load(shard& sh, detail::object_meta*& it, master_time now) {
+    const std::uint64_t client = it->disk_holder();
+    if (client == 0) return store_errc::object_not_found;
+    const std::vector<segment_id> own = segments_.segments_of(client);
+    if (own.empty()) return store_errc::no_space;
+    std::array<segment_range, 1> got{};
+    const std::uint64_t footprint = footprint_of(*it);
+    const std::size_t k =
+        segments_.allocate(footprint, placement_request{1, own, {}}, std::span{got});
+    if (k == 0 || std::find(own.begin(), own.end(), got[0].segment) == own.end()) {
+      if (k != 0) segments_.free(got[0].segment, got[0].offset, footprint);
+      eviction_wanted_.store(true, std::memory_order_relaxed);
+      return store_errc::object_loading;
+    }
+    add_replica(sh, it, {got[0].segment.value(), got[0].offset});
+    it->set(detail::object_meta::loading, true);
+    it->time_ms = ms(now);
+    sh.disk_pending.insert(it);
+    push_task({disk_task::kind::load, client, std::string(it->key()), it->size,
+               got[0].segment.value(), got[0].offset});
+    return {};
+  }
+
+  // `ok` false: the range being filled is given up (kept a while: the
+  // holder may still write into it).
+  void end_load(shard& sh, detail::object_meta& o, bool ok) {
+    o.set(detail::object_meta::loading, false);
+    sh.disk_pending.erase(&o);
+    if (ok) return;
+    for (std::size_t i = 0; i < o.count();) {
+      if (detail::on_disk(o.replica(i))) {
+        ++i;
+        continue;
+      }
+      reserve_range(o.replica(i).segment, o.replica(i).offset, footprint_of(o), o.time_ms);
+      o.drop_replica(i);
     }
   }
 
@@ -915,6 +1357,7 @@ class object_table {
     {
       std::lock_guard lock{discard_mu_};
       for (std::size_t i = 0; i < o.count(); ++i) {
+        if (detail::on_disk(o.replica(i))) continue;
         discarded_.push_back({o.replica(i).segment, o.replica(i).offset, footprint_of(o),
                               o.time_ms + cfg_.put_release_timeout.count()});
         reserved_ += segments_.rounded(footprint_of(o));
@@ -926,6 +1369,13 @@ class object_table {
   // The bookkeeping of an object leaving the table (its space is the
   // caller's business); the index then deletes it.
   void forget(shard& sh, detail::object_meta& o) {
+    if (o.is(detail::object_meta::demoting)) {
+      demoting_bytes_.fetch_sub(segments_.rounded(footprint_of(o)), std::memory_order_relaxed);
+    }
+    if (held_by_disk_task(o)) sh.disk_pending.erase(&o);
+    for (std::size_t i = 0; i < o.count(); ++i) {
+      if (detail::on_disk(o.replica(i))) disk_replicas_.fetch_sub(1, std::memory_order_relaxed);
+    }
     if (!o.is(detail::object_meta::complete)) {
       sh.in_progress.erase(&o);
       in_progress_.fetch_sub(1, std::memory_order_relaxed);
@@ -944,6 +1394,12 @@ class object_table {
   std::atomic<std::uint64_t> objects_{0};
   std::atomic<std::uint64_t> in_progress_{0};
   std::atomic<bool> eviction_wanted_{false};
+  std::atomic<std::uint64_t> disk_replicas_{0};
+  std::atomic<std::uint64_t> demoting_bytes_{0};
+  mutable std::mutex disk_mu_;                              // a leaf lock
+  std::unordered_map<std::uint64_t, std::uint64_t> disks_;  // client -> capacity; disk_mu_
+  std::mutex tasks_mu_;                                     // a leaf lock
+  std::vector<disk_task> tasks_;                            // guarded by tasks_mu_
   mutable std::mutex discard_mu_;
   std::vector<discarded_range> discarded_;  // guarded by discard_mu_
   std::uint64_t reserved_ = 0;              // guarded by discard_mu_

@@ -186,6 +186,13 @@ class segment_table {
     free_slots_.push_back(slot);
   }
 
+  /// The client a mounted segment belongs to; 0 when it is not mounted.
+  std::uint64_t client_of(segment_id id) const {
+    std::shared_lock lock{mu_};
+    auto it = by_id_.find(id.value());
+    return it == by_id_.end() || !slots_[it->second]->mounted ? 0 : slots_[it->second]->client;
+  }
+
   /// The mounted segments of a client.
   std::vector<segment_id> segments_of(std::uint64_t client) const {
     std::shared_lock lock{mu_};

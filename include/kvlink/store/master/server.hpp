@@ -33,6 +33,12 @@
 // a bad magic closes it at once; a body that does not decode is answered
 // malformed_message and the connection closed.
 //
+// The SSD tier: tasks for disk holders (object_table's disk tasks, made by
+// eviction, gets and removes) go out as disk_task frames (id 0, never
+// answered) on the connection the holder last spoke on, queued with its
+// replies; a holder without a connection misses them (counted) and the
+// table gives them up after store_put_discard_timeout.
+//
 // Timers, each on its own strand so that none waits behind request
 // processing: liveness (marks suspect and gone clients), reclaim (puts that
 // never ended) and eviction (evictor::run_once, one shard step per lock).
@@ -390,6 +396,22 @@ class master_server {
       connections.erase(id);
     }
 
+    // The connection a client spoke on last: where its disk tasks go.
+    void bind_client(std::uint64_t client, const std::shared_ptr<connection>& c) {
+      std::lock_guard lock{mu};
+      by_client[client] = c;
+    }
+    void unbind_client(std::uint64_t client, const std::shared_ptr<connection>& c) {
+      std::lock_guard lock{mu};
+      const auto it = by_client.find(client);
+      if (it != by_client.end() && it->second.lock() == c) by_client.erase(it);
+    }
+    std::shared_ptr<connection> connection_of(std::uint64_t client) {
+      std::lock_guard lock{mu};
+      const auto it = by_client.find(client);
+      return it == by_client.end() ? nullptr : it->second.lock();
+    }
+
     // Logs a line once per key (a peer and what went wrong), for the first
     // few thousand keys.
     template <class... Args>
@@ -425,6 +447,7 @@ class master_server {
     bool serving = false;                                                      // mu
     std::unordered_map<std::uint64_t, std::weak_ptr<connection>> connections;  // mu
     std::uint64_t next_connection = 0;                                         // mu
+    std::unordered_map<std::uint64_t, std::weak_ptr<connection>> by_client;    // mu
     std::set<std::string> logged;                                              // mu
   };
 
@@ -492,6 +515,7 @@ class master_server {
     master_service& svc = self->service;
     master_service::attachment att;
     if (co_await admit(self, c, att)) {
+      self->bind_client(att.session.client->id, c);
       std::vector<unsigned char> body;
       for (;;) {
         wire::header_bytes hb{};
@@ -536,6 +560,7 @@ class master_server {
         std::string reply = svc.handle_frame(att.session, fh, body, master_clock::now(), close);
         if (body.capacity() > (1u << 20)) body = {};  // a big request's buffer is not kept
         enqueue(self, c, std::move(reply));
+        send_disk_tasks(self);
         if (close) {
           self->log_once(c->peer + " body",
                          "store master: client {} at {}: a {} request did not decode; closing",
@@ -554,6 +579,7 @@ class master_server {
         c->drained.expires_at(asio::steady_timer::time_point::max());
         co_await c->drained.async_wait(control::use_nothrow);
       }
+      self->unbind_client(att.session.client->id, c);
       svc.detach_client(att.session);
     }
     std::error_code ignored;
@@ -601,6 +627,21 @@ class master_server {
     }
     control::tune_socket(c->socket, {});
     co_return true;
+  }
+
+  // Sends the SSD tier's tasks (master_service::take_disk_frames) on their
+  // holders' connections, each on its connection's strand.
+  static void send_disk_tasks(const std::shared_ptr<impl>& self) {
+    for (auto& f : self->service.take_disk_frames()) {
+      auto c = self->connection_of(f.client);
+      if (!c) {
+        self->service.count_unsent(f.tasks);
+        continue;
+      }
+      asio::post(c->strand, [self, c, bytes = std::move(f.bytes), a = activity{self}]() mutable {
+        enqueue(self, c, std::move(bytes));
+      });
+    }
   }
 
   // Queues a reply; the write loop sends the queue in order.
@@ -750,6 +791,7 @@ class master_server {
           break;
         case tick::eviction:
           self->service.evict(now);
+          send_disk_tasks(self);
           break;
       }
     }

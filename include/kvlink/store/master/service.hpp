@@ -415,6 +415,7 @@ class master_service {
   reclaim_report reclaim(master_time now) {
     const reclaim_report r = table_.reclaim(now);
     reclaimed_.fetch_add(r.discarded, std::memory_order_relaxed);
+    disk_given_up_.fetch_add(r.disk_tasks_given_up, std::memory_order_relaxed);
     released_bytes_.fetch_add(r.released_bytes, std::memory_order_relaxed);
     return r;
   }
@@ -617,6 +618,50 @@ class master_service {
         w.u64(n);
         break;
       }
+      case wire::message_type::disk_mount: {
+        const std::uint64_t capacity = r.u64();
+        if ((dec = r.finish())) break;
+        table_.mount_disk(client, capacity);
+        kvlink::detail::log("client {}: disk {} ({} bytes)", client,
+                            capacity == 0 ? "left the SSD tier" : "joined the SSD tier", capacity);
+        w.status({});
+        break;
+      }
+      case wire::message_type::disk_report: {
+        wire::disk_entries req;
+        if ((dec = req.decode(r, true))) break;
+        keys_[slot].fetch_add(req.entries.size(), std::memory_order_relaxed);
+        wire::code_list out;
+        out.codes.resize(req.entries.size());
+        for (std::size_t i = 0; i < req.entries.size(); ++i) {
+          const auto& e = req.entries[i];
+          const bool ok = e.code == 0;
+          std::error_code ec;
+          switch (static_cast<wire::disk_report_kind>(e.kind)) {
+            case wire::disk_report_kind::adopt:
+              ec = table_.disk_adopt(e.key, e.size, client);
+              break;
+            case wire::disk_report_kind::stored:
+              ec = table_.disk_stored(e.key, client, e.segment, e.offset, ok);
+              break;
+            case wire::disk_report_kind::loaded:
+              ec = table_.disk_loaded(e.key, client, e.segment, e.offset, ok);
+              break;
+            case wire::disk_report_kind::dropped:
+              ec = table_.disk_dropped(e.key, client);
+              break;
+          }
+          disk_reports_[e.kind - 1u].fetch_add(1, std::memory_order_relaxed);
+          if (!ok) disk_failures_.fetch_add(1, std::memory_order_relaxed);
+          out.codes[i] = code_of(ec);
+        }
+        w.status({});
+        out.encode(w);
+        break;
+      }
+      case wire::message_type::disk_task:  // the master's to send, not a client's
+        w.status(errc::invalid_argument);
+        break;
       case wire::message_type::stats: {
         if ((dec = r.finish())) break;
         const pool_stats p = table_.stats();
@@ -634,6 +679,47 @@ class master_service {
       return bad.take();
     }
     return w.take();
+  }
+
+  /// The SSD tier's tasks waiting for their disk holders, as disk_task
+  /// frames (id 0, at most about 1 MiB of body each) with the client each
+  /// is for. The server sends them on those clients' connections; a task
+  /// it cannot send (count_unsent) is given up by reclaim() later.
+  struct disk_frame {
+    std::uint64_t client = 0;
+    std::string bytes;
+    std::size_t tasks = 0;
+  };
+  std::vector<disk_frame> take_disk_frames() {
+    std::vector<disk_frame> frames;
+    std::vector<disk_task> tasks;
+    table_.take_disk_tasks(tasks);
+    if (tasks.empty()) return frames;
+    std::stable_sort(tasks.begin(), tasks.end(),
+                     [](const disk_task& a, const disk_task& b) { return a.client < b.client; });
+    std::size_t i = 0;
+    while (i < tasks.size()) {
+      const std::uint64_t client = tasks[i].client;
+      wire::disk_entries body;
+      std::size_t bytes = 0;
+      for (; i < tasks.size() && tasks[i].client == client && bytes < (1u << 20); ++i) {
+        const disk_task& t = tasks[i];
+        body.entries.push_back(
+            {static_cast<std::uint8_t>(t.what), t.key, t.size, t.segment, t.offset, 0});
+        bytes += 27 + t.key.size();
+        disk_tasks_[static_cast<std::size_t>(t.what) - 1u].fetch_add(1, std::memory_order_relaxed);
+      }
+      wire::writer w(wire::message_type::disk_task, 0, false);
+      body.encode(w, false);
+      const std::size_t n = body.entries.size();
+      frames.push_back({client, w.take(), n});
+    }
+    return frames;
+  }
+
+  /// Counts disk tasks the server could not deliver (no connection).
+  void count_unsent(std::size_t n) noexcept {
+    disk_unsent_.fetch_add(n, std::memory_order_relaxed);
   }
 
   /// The reply to a frame whose header decode_header() refused with `ec`
@@ -753,6 +839,30 @@ class master_service {
     counter("kvlink_store_suspect_events_total", "Times a client became suspect.",
             suspect_events_.load());
     counter("kvlink_store_clients_gone_total", "Clients declared gone.", clients_gone_.load());
+    gauge("kvlink_store_disks", "Clients with a disk in the SSD tier.", p.disks);
+    gauge("kvlink_store_disk_replicas", "Objects' replicas on clients' disks.", p.disk_replicas);
+    gauge("kvlink_store_demoting_bytes", "Bytes being copied to disks by eviction.",
+          table_.demoting_bytes());
+    o += "# HELP kvlink_store_disk_tasks_total Tasks sent to disk holders by kind.\n";
+    o += "# TYPE kvlink_store_disk_tasks_total counter\n";
+    for (std::size_t k = 0; k < disk_tasks_.size(); ++k) {
+      fmt::format_to(std::back_inserter(o), "kvlink_store_disk_tasks_total{{kind=\"{}\"}} {}\n",
+                     std::array{"store", "load", "drop"}[k], disk_tasks_[k].load());
+    }
+    o += "# HELP kvlink_store_disk_reports_total Disk holders' reports by kind.\n";
+    o += "# TYPE kvlink_store_disk_reports_total counter\n";
+    for (std::size_t k = 0; k < disk_reports_.size(); ++k) {
+      fmt::format_to(std::back_inserter(o), "kvlink_store_disk_reports_total{{kind=\"{}\"}} {}\n",
+                     std::array{"adopt", "stored", "loaded", "dropped"}[k],
+                     disk_reports_[k].load());
+    }
+    counter("kvlink_store_disk_failures_total", "Stores and loads their holders reported failed.",
+            disk_failures_.load());
+    counter("kvlink_store_disk_tasks_unsent_total",
+            "Disk tasks dropped: their holder had no connection.", disk_unsent_.load());
+    counter("kvlink_store_disk_tasks_given_up_total",
+            "Stores and loads never reported within store_put_discard_timeout.",
+            disk_given_up_.load());
     return o;
   }
 
@@ -769,7 +879,7 @@ class master_service {
     store_errc code;
     std::string_view name;
   };
-  static constexpr std::array<error_name, 19> error_codes{{
+  static constexpr std::array<error_name, 20> error_codes{{
       {store_errc::internal_error, "internal_error"},
       {store_errc::buffer_overflow, "buffer_overflow"},
       {store_errc::segment_not_found, "segment_not_found"},
@@ -789,6 +899,7 @@ class master_service {
       {store_errc::rpc_failed, "rpc_failed"},
       {store_errc::rpc_timeout, "rpc_timeout"},
       {store_errc::object_hard_pinned, "object_hard_pinned"},
+      {store_errc::object_loading, "object_loading"},
   }};
 
   static std::int64_t ms(master_time t) noexcept { return t.time_since_epoch().count(); }
@@ -917,6 +1028,11 @@ class master_service {
   std::array<std::atomic<std::uint64_t>, wire::last_type + 1> requests_{};  // [0]: unknown types
   std::array<std::atomic<std::uint64_t>, wire::last_type + 1> keys_{};
   std::array<std::atomic<std::uint64_t>, error_codes.size()> errors_{};
+  std::array<std::atomic<std::uint64_t>, 3> disk_tasks_{};    // by disk_task::kind - 1
+  std::array<std::atomic<std::uint64_t>, 4> disk_reports_{};  // by disk_report_kind - 1
+  std::atomic<std::uint64_t> disk_failures_{0};
+  std::atomic<std::uint64_t> disk_unsent_{0};
+  std::atomic<std::uint64_t> disk_given_up_{0};
   std::atomic<std::uint64_t> malformed_{0}, refused_{0}, failed_handshakes_{0};
   std::atomic<std::uint64_t> eviction_rounds_{0}, evicted_{0}, evicted_bytes_{0};
   std::atomic<std::uint64_t> reclaimed_{0}, released_bytes_{0};

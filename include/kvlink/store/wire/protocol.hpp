@@ -52,7 +52,9 @@ inline constexpr std::uint32_t frame_magic = 0x534C564Bu;  // "KVLS"
 // mount carries the objects its owner found in the segment.
 // 3: a mount may leave its segment closed, and adopt announces further
 // objects of it (a segment holds more than one frame's worth).
-inline constexpr std::uint16_t protocol_version = 3;
+// 4: the SSD tier: disk_mount, disk_report, and disk_task frames the master
+// sends unasked.
+inline constexpr std::uint16_t protocol_version = 4;
 inline constexpr std::size_t header_size = 24;
 inline constexpr std::uint16_t reply_bit = 0x8000;
 /// Default bound of a frame's body (both directions).
@@ -81,10 +83,15 @@ enum class message_type : std::uint16_t {
   replicas = 13,     ///< {[key]} -> [code, u64 size, u32 0, replicas]: get's answer, no lease
   adopt = 14,        ///< {u64 segment, [str key, u64 offset, u64 size], u8 open} -> [u32 code]:
                      ///< more objects of a segment mounted closed; open 1 ends its announcement
+  disk_mount = 15,   ///< {u64 capacity} -> {}: this client's disk joins the SSD tier (0: leaves)
+  disk_report = 16,  ///< {[u8 kind, str key, u64 size, u64 segment, u64 offset, u32 code]}
+                     ///< -> [u32 code]: what the disk holds or did (disk_report_kind)
+  disk_task = 17,    ///< master -> client, unasked (id 0, no reply):
+                     ///< {[u8 kind, str key, u64 size, u64 segment, u64 offset]}
 };
 
 /// The highest message type.
-inline constexpr std::uint16_t last_type = 14;
+inline constexpr std::uint16_t last_type = 17;
 inline constexpr bool known_type(std::uint16_t t) noexcept { return t >= 1 && t <= last_type; }
 
 inline const char* to_string(message_type t) noexcept {
@@ -117,6 +124,12 @@ inline const char* to_string(message_type t) noexcept {
       return "replicas";
     case message_type::adopt:
       return "adopt";
+    case message_type::disk_mount:
+      return "disk_mount";
+    case message_type::disk_report:
+      return "disk_report";
+    case message_type::disk_task:
+      return "disk_task";
   }
   return "unknown";
 }
@@ -580,6 +593,64 @@ struct stats_reply {
   }
   std::error_code decode(reader& r) {
     for (auto* v : {&capacity, &used, &objects, &in_progress, &reserved, &segments}) *v = r.u64();
+    return r.finish();
+  }
+};
+
+// ---- the SSD tier --------------------------------------------------------
+
+/// What a disk_report entry says.
+enum class disk_report_kind : std::uint8_t {
+  adopt = 1,    ///< the disk holds the object (its manifest, after a mount)
+  stored = 2,   ///< a store task ended (code 0: copied to the disk)
+  loaded = 3,   ///< a load task ended (code 0: the range holds the object)
+  dropped = 4,  ///< the disk let the object go (its own space eviction)
+};
+
+/// What a disk_task entry asks (object_table's disk_task::kind).
+enum class disk_task_kind : std::uint8_t { store = 1, load = 2, drop = 3 };
+
+/// disk_report's request and disk_task's body: entries of the same shape
+/// (a task's carries no code).
+struct disk_entries {
+  struct entry {
+    std::uint8_t kind = 0;
+    std::string_view key;
+    std::uint64_t size = 0;
+    std::uint64_t segment = 0;
+    std::uint64_t offset = 0;
+    std::uint32_t code = 0;  ///< reports only
+  };
+  std::vector<entry> entries;
+
+  void encode(writer& w, bool with_code) const {
+    w.u32(static_cast<std::uint32_t>(entries.size()));
+    for (const auto& e : entries) {
+      w.u8(e.kind);
+      w.str(e.key);
+      w.u64(e.size);
+      w.u64(e.segment);
+      w.u64(e.offset);
+      if (with_code) w.u32(e.code);
+    }
+  }
+  /// Kinds outside 1..4 (reports) or 1..3 (tasks) do not decode.
+  std::error_code decode(reader& r, bool with_code) {
+    const auto n = r.count(max_batch, with_code ? 31 : 27);
+    entries.clear();
+    entries.reserve(n);
+    const std::uint8_t last = with_code ? 4 : 3;
+    for (std::uint32_t i = 0; i < n && r.ok(); ++i) {
+      entry e;
+      e.kind = r.u8();
+      if (e.kind == 0 || e.kind > last) r.fail();
+      e.key = r.str();
+      e.size = r.u64();
+      e.segment = r.u64();
+      e.offset = r.u64();
+      if (with_code) e.code = r.u32();
+      entries.push_back(e);
+    }
     return r.finish();
   }
 };
