@@ -559,15 +559,22 @@ class StoreClient:
     a-prefixed forms (aput, aget_batch, ...) await the same calls from
     asyncio without blocking the loop.
     Buffers inside memory given to register() are read and written in
-    place; others go through staging memory (one copy). Thread-safe."""
+    place; others go through staging memory (one copy). Thread-safe.
+
+    disk_path / disk_capacity (bytes): the SSD tier, a directory on this
+    host's disk where objects evicted from this client's memory are kept
+    and read back from when they are read again (found again after a
+    restart); raises kvlink.Error when the directory cannot be used."""
 
     def __init__(self, master: str = "127.0.0.1:50051", *, auth_secret: Optional[str] = None,
                  connect_timeout: float = 5.0, request_timeout: float = 10.0,
                  config: Optional[Dict[str, Any]] = None, use_env: bool = True,
+                 disk_path: Optional[str] = None, disk_capacity: int = 0,
                  **settings: Any) -> None:
         cfg = make_config(config, use_env=use_env, **settings)
         self._core = _kvlink.StoreClient(json.dumps(cfg), master, auth_secret or "",
-                                         float(connect_timeout), float(request_timeout))
+                                         float(connect_timeout), float(request_timeout),
+                                         disk_path or "", int(disk_capacity))
         self._pins: Dict[int, Any] = {}   # engine segment -> what keeps its memory alive
         self._mounts: List[Any] = []      # mounted memory, kept until close
         self._pages: List[tuple] = []     # (address, length) mapped by mount(size)

@@ -231,6 +231,19 @@ def _code(e: BaseException, what: str) -> int:
     return INTERNAL_ERROR
 
 
+def _ssd_capacity(path: str) -> int:
+    """The SSD tier's budget: $KVLINK_SSD_CAPACITY, else 80 % of the free
+    space of the file system `path` is on (its nearest existing parent)."""
+    given = os.getenv("KVLINK_SSD_CAPACITY")
+    if given:
+        return _size(given)
+    where = os.path.abspath(path)
+    while not os.path.exists(where):
+        where = os.path.dirname(where)
+    st = os.statvfs(where)
+    return st.f_bavail * st.f_frsize * 4 // 5
+
+
 def _bool(value: Any) -> bool:
     """A boolean as configs write it (True, 1, "true", "off", ...)."""
     if isinstance(value, bool):
@@ -425,8 +438,14 @@ class MooncakeDistributedStore:
         own). The metadata server is not used: kvlink's master tells the
         clients where each other's memory is. -1, with the reason logged,
         for what kvlink does not do: a redis:// master, a protocol other than
-        tcp/rdma, enable_ssd_offload, a tenant other than "default", the
-        client HTTP server."""
+        tcp/rdma, a tenant other than "default", the client HTTP server.
+
+        enable_ssd_offload: kvlink's SSD tier on this client, in
+        ssd_offload_path (else $MOONCAKE_OFFLOAD_FILE_STORAGE_PATH; -1
+        without either), of $KVLINK_SSD_CAPACITY bytes (a size like "64GB";
+        default: 80 % of the free space of that file system when setup
+        runs). Objects evicted from this client's segment are kept there
+        and read back when they are read again, also after a restart."""
         if isinstance(local_hostname, Mapping):
             if metadata_server is not None:
                 log.error("setup: a dict, or the positional form, not both")
@@ -469,9 +488,18 @@ class MooncakeDistributedStore:
         if engine is not None:
             log.warning("setup: engine= is not used: kvlink's store client has an engine of "
                         "its own")
+        disk_path, disk_capacity = "", 0
         if enable_ssd_offload:
-            log.error("setup: enable_ssd_offload: kvlink's store has no SSD tier")
-            return INTERNAL_ERROR
+            disk_path = ssd_offload_path or os.getenv("MOONCAKE_OFFLOAD_FILE_STORAGE_PATH", "")
+            if not disk_path:
+                log.error("setup: enable_ssd_offload needs ssd_offload_path (or "
+                          "MOONCAKE_OFFLOAD_FILE_STORAGE_PATH)")
+                return INTERNAL_ERROR
+            try:
+                disk_capacity = _ssd_capacity(disk_path)
+            except (OSError, ValueError) as e:
+                log.error("setup: SSD tier at %s: %s", disk_path, e)
+                return INTERNAL_ERROR
         if tenant_id != "default":
             log.error("setup: tenant %r: kvlink's store has one tenant, \"default\"", tenant_id)
             return INTERNAL_ERROR
@@ -502,7 +530,8 @@ class MooncakeDistributedStore:
         for port in ports:
             listen = host if port is None else f"{name}:{port}"
             try:
-                store = StoreClient(master_server_addr, listen=listen)
+                store = StoreClient(master_server_addr, listen=listen, disk_path=disk_path,
+                                    disk_capacity=disk_capacity)
                 break
             except (Error, TypeError, ValueError) as e:
                 if port is None or port == 0 or not _in_use(e):

@@ -106,6 +106,8 @@ inline std::string_view store_errc_name(store_errc e) noexcept {
       return "rpc_timeout";
     case store_errc::object_hard_pinned:
       return "object_hard_pinned";
+    case store_errc::object_loading:
+      return "object_loading";
   }
   return "unknown";
 }

@@ -653,9 +653,11 @@ PYBIND11_MODULE(_kvlink, m) {
     return out;
   };
   py::class_<kp::py_store>(m, "StoreClient")
-      .def(py::init<const std::string&, const std::string&, const std::string&, double, double>(),
+      .def(py::init<const std::string&, const std::string&, const std::string&, double, double,
+                    const std::string&, std::uint64_t>(),
            py::arg("config_json"), py::arg("master"), py::arg("auth_secret"),
-           py::arg("connect_timeout"), py::arg("request_timeout"))
+           py::arg("connect_timeout"), py::arg("request_timeout"), py::arg("disk_path") = "",
+           py::arg("disk_capacity") = 0)
       .def("close", &kp::py_store::close)
       .def_property_readonly("local_address", &kp::py_store::local_address)
       .def_property_readonly("client_id", &kp::py_store::client_id)

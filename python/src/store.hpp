@@ -31,6 +31,7 @@
 #include <mutex>
 #include <optional>
 #include <shared_mutex>
+#include <stdexcept>
 #include <string>
 #include <string_view>
 #include <system_error>
@@ -142,7 +143,8 @@ struct py_put_config {
 class py_store {
  public:
   py_store(const std::string& config_json, const std::string& master, const std::string& secret,
-           double connect_timeout, double request_timeout) {
+           double connect_timeout, double request_timeout, const std::string& disk_path,
+           std::uint64_t disk_capacity) {
     const auto j = nlohmann::json::parse(config_json, nullptr, false);
     if (j.is_discarded()) raise_error(errc::invalid_argument, "engine config: not JSON");
     std::error_code ec;
@@ -158,9 +160,18 @@ class py_store {
     opt.auth_secret = secret;
     opt.connect_timeout = to_ms(connect_timeout);
     opt.request_timeout = to_ms(request_timeout);
+    opt.disk_path = disk_path;
+    opt.disk_capacity = disk_capacity;
     host_ = translate("kvlink store client engine", [&] { return std::make_shared<host>(cfg); });
-    (void)host_->with_engine(
-        [&](engine& e) { client_ = std::make_unique<store::client>(e, std::move(opt)); });
+    // The SSD tier opens with the client: a directory it cannot use throws.
+    translate("kvlink store client", [&] {
+      try {
+        (void)host_->with_engine(
+            [&](engine& e) { client_ = std::make_unique<store::client>(e, std::move(opt)); });
+      } catch (const std::invalid_argument& e) {
+        throw std::system_error(make_error_code(errc::invalid_argument), e.what());
+      }
+    });
   }
 
   ~py_store() {

@@ -214,7 +214,9 @@ def test_setup_dict_form_refusals(master):
             "global_segment_size": 0, "master_server_addr": master}
     assert s.setup({k: v for k, v in base.items() if k != "master_server_addr"}) == -1
     assert s.setup({k: v for k, v in base.items() if k != "metadata_server"}) == -1
-    assert s.setup(dict(base, enable_ssd_offload="true")) == -1   # no SSD tier
+    assert s.setup(dict(base, enable_ssd_offload="true")) == -1   # no ssd_offload_path
+    assert s.setup(dict(base, enable_ssd_offload=True,               # a file, not a directory
+                        ssd_offload_path=os.path.abspath(__file__))) == -1
     assert s.setup(dict(base, enable_ssd_offload="maybe")) == -1
     assert s.setup(dict(base, tenant_id="other")) == -1
     assert s.setup(dict(base, global_segment_size="lots")) == -1
@@ -226,6 +228,44 @@ def test_setup_dict_form_refusals(master):
     assert s.put("dict/k", b"v") == 0 and s.get("dict/k") == b"v"
     assert s.remove("dict/k", True) == 0
     assert s.close() == 0
+
+
+def test_ssd_offload_keeps_evicted_objects_and_survives_a_restart(tmp_path, monkeypatch):
+    # Mooncake's settings for its SSD tier: kvlink's on this client. Leases
+    # of 50 ms: each get leases what it read, and a 4 MiB segment full of
+    # leased objects has no room to read others back.
+    proc, address = start_master("--default_kv_lease_ttl", "50")
+    monkeypatch.delenv("KVLINK_SSD_CAPACITY", raising=False)
+    monkeypatch.setenv("MOONCAKE_OFFLOAD_FILE_STORAGE_PATH", str(tmp_path / "ssd"))
+    cfg = {"local_hostname": "127.0.0.1", "metadata_server": "P2PHANDSHAKE",
+           "global_segment_size": "4MB", "local_buffer_size": 0, "protocol": "tcp",
+           "master_server_address": address, "enable_ssd_offload": True}
+    rng = np.random.default_rng(11)
+    blobs = {f"ssd/{i}": rng.integers(0, 256, 512 << 10, dtype=np.uint8).tobytes()
+             for i in range(24)}  # 12 MiB through 4 MiB
+    try:
+        s = MooncakeDistributedStore()
+        assert s.setup(cfg) == 0
+        for key, blob in blobs.items():
+            for _ in range(400):
+                rc = s.put(key, blob)
+                if rc != -200:  # no space while eviction copies to the disk
+                    break
+                time.sleep(0.005)
+            assert rc == 0, key
+        for key, blob in blobs.items():
+            assert s.get(key) == blob, key
+        assert s.close() == 0
+        # A new client on the same directory: what the disk holds is back.
+        s = MooncakeDistributedStore()
+        assert s.setup(cfg) == 0
+        back = [key for key, blob in blobs.items() if s.get(key) == blob]
+        assert len(back) >= len(blobs) - 8, back  # 4 MiB held at most 8 of them
+        missing = [key for key in blobs if key not in back]
+        assert all(s.is_exist(key) == 0 for key in missing)
+        assert s.close() == 0
+    finally:
+        stop(proc)
 
 
 def test_config_from_file_and_environment(master, peer, tmp_path, monkeypatch):
