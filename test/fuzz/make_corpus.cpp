@@ -435,7 +435,10 @@ void store_wire() {
   const auto report = [](std::vector<wire::disk_entries::entry> e) {
     return [e](wire::writer& w) { wire::disk_entries{e}.encode(w, true); };
   };
-  std::string d = store_step(0, mt::disk_mount, [](wire::writer& w) { w.u64(1u << 30); });
+  std::string d = store_step(0, mt::disk_mount, [](wire::writer& w) {
+    w.u64(1u << 30);
+    w.u8(1);
+  });
   d += store_step(0, mt::put_start, [](wire::writer& w) {
     wire::put_start_request q;
     q.keys = {"big", "small"};
@@ -450,7 +453,14 @@ void store_wire() {
   d += store_step(1, mt::get, keys({"x", "big"}, false, false));
   d += store_step(0, mt::disk_report, report({{3, "x", 300, 1, 0, 0}, {3, "big", 1, 1, 64, 7}}));
   d += store_step(1, mt::remove, keys({"x", "big"}, true, true));
-  d += store_step(0xE8, mt::disk_mount, [](wire::writer& w) { w.u64(0); });
+  d += store_step(0, mt::disk_mount, [](wire::writer& w) {
+    w.u64(1u << 30);
+    w.u8(0);
+  });
+  d += store_step(0xE8, mt::disk_mount, [](wire::writer& w) {
+    w.u64(0);
+    w.u8(0);
+  });
   d += store_step(1, mt::disk_task, report({}));
   put("store_wire", "disk_tier", d);
 

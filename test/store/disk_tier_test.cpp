@@ -11,6 +11,15 @@
 //                                  read back. Exit 77 (skipped) where this
 //                                  process may not mount (no root and no
 //                                  user namespaces).
+//   kvlink_store_disk_test pool    the store's pool (a master and clients in
+//                                  this process) over such a disk: the tier
+//                                  of the segment's owner fills up, then is
+//                                  read only; puts keep landing in memory,
+//                                  what the disk held stays readable. Exit
+//                                  77 as above.
+#include <kvlink/engine.hpp>
+#include <kvlink/store/client/client.hpp>
+#include <kvlink/store/master/server.hpp>
 #include <kvlink/store/tier/disk.hpp>
 
 #include <algorithm>
@@ -22,12 +31,17 @@
 #include <cstring>
 #include <filesystem>
 #include <fstream>
+#include <future>
+#include <memory>
+#include <optional>
 #include <string>
 #include <string_view>
 #include <system_error>
 #include <thread>
 #include <vector>
 
+#include <asio/io_context.hpp>
+#include <asio/use_future.hpp>
 #include <fcntl.h>
 #include <sched.h>
 #include <sys/mount.h>
@@ -217,7 +231,156 @@ int full_in_namespace(const std::string& dir) {
   return failures == 0 ? 0 : 1;
 }
 
-int full() {
+// A master and two clients in this process: `owner` serves a 1 MiB segment
+// with its SSD tier in `disk` (a 16 MiB budget: files of 2 MiB, so one fits
+// the 3 MiB tmpfs and the second does not), `user` puts and gets.
+struct pool_rig {
+  explicit pool_rig(const std::string& disk) {
+    kvlink::store::master_config cfg;
+    cfg.lease_ttl = std::chrono::milliseconds(50);  // reads lease what they read
+    kvlink::store::server_options opt;
+    opt.listen = "127.0.0.1:0";
+    master.emplace(io.get_executor(), cfg, opt);
+    master->listen();
+    for (int i = 0; i < 2; ++i) threads.emplace_back([this] { io.run(); });
+    const kvlink::config ecfg{.listen = "127.0.0.1:0", .transports = "tcp"};
+    owner_engine.emplace(io.get_executor(), ecfg);
+    user_engine.emplace(io.get_executor(), ecfg);
+    owner.emplace(*owner_engine, kvlink::store::client_options{.master = master->local_address(),
+                                                               .disk_path = disk,
+                                                               .disk_capacity = 16u << 20});
+    user.emplace(*user_engine, kvlink::store::client_options{.master = master->local_address()});
+    owner->async_mount(segment.data(), segment.size(), asio::use_future).get();
+    user_engine->register_segment(work.data(), work.size());
+  }
+  ~pool_rig() {
+    user->async_close(asio::use_future).get();
+    owner->async_close(asio::use_future).get();
+    user.reset();
+    owner.reset();
+    user_engine.reset();
+    owner_engine.reset();
+    master->async_close(asio::use_future).get();
+    guard.reset();
+    for (auto& t : threads) t.join();
+  }
+
+  // Puts `n` objects of 64 KiB under `prefix`, each retried while the pool
+  // answers no_space; how many landed.
+  std::size_t put_all(const std::string& prefix, std::size_t n) {
+    std::size_t landed = 0;
+    for (std::size_t i = 0; i < n; ++i) {
+      fill(i);
+      std::error_code ec;
+      for (int attempt = 0; attempt < 400; ++attempt) {
+        ec = call([&](auto h) {
+          user->async_put(prefix + std::to_string(i), work.data(), work.size(), {}, {}, h);
+        });
+        if (ec != kvlink::store_errc::no_space) break;
+        std::this_thread::sleep_for(std::chrono::milliseconds(5));
+      }
+      check(!ec, "put " + prefix + std::to_string(i) + ": " + ec.message());
+      landed += ec ? 0 : 1;
+    }
+    return landed;
+  }
+  // Objects read back with their bytes; every other answer must be
+  // object_not_found.
+  std::size_t read_all(const std::string& prefix, std::size_t n) {
+    std::size_t good = 0;
+    for (std::size_t i = 0; i < n; ++i) {
+      std::fill(work.begin(), work.end(), std::byte{0});
+      const std::error_code ec = call([&](auto h) {
+        user->async_get(prefix + std::to_string(i), work.data(), work.size(),
+                        [h](std::error_code e, std::uint64_t) mutable { h(e); });
+      });
+      if (ec) {
+        check(ec == kvlink::store_errc::object_not_found,
+              "get " + prefix + std::to_string(i) + ": " + ec.message());
+        continue;
+      }
+      const std::vector<std::byte> want = expected(i);
+      check(std::memcmp(work.data(), want.data(), want.size()) == 0,
+            "get " + prefix + std::to_string(i) + ": other bytes");
+      ++good;
+    }
+    return good;
+  }
+  std::string metrics() { return master->service().metrics_text(); }
+
+  template <class Start>
+  static std::error_code call(Start start) {
+    auto p = std::make_shared<std::promise<std::error_code>>();
+    auto f = p->get_future();
+    start([p](std::error_code ec) { p->set_value(ec); });
+    return f.get();
+  }
+  static std::vector<std::byte> expected(std::size_t i) {
+    std::vector<std::byte> v(64u << 10);
+    for (std::size_t k = 0; k < v.size(); ++k) v[k] = static_cast<std::byte>((i * 131 + k) & 0xff);
+    return v;
+  }
+  void fill(std::size_t i) {
+    const auto v = expected(i);
+    std::copy(v.begin(), v.end(), work.begin());
+  }
+
+  asio::io_context io;
+  std::optional<asio::executor_work_guard<asio::io_context::executor_type>> guard{
+      io.get_executor()};
+  std::vector<std::thread> threads;
+  std::optional<kvlink::store::master_server> master;
+  std::optional<kvlink::engine> owner_engine, user_engine;
+  std::optional<kvlink::store::client> owner, user;
+  std::vector<std::byte> segment = std::vector<std::byte>(1u << 20);
+  std::vector<std::byte> work = std::vector<std::byte>(64u << 10);
+};
+
+int pool_in_namespace(const std::string& dir) {
+  if (::mount("kvlink-test", dir.c_str(), "tmpfs", 0, "size=3m") != 0) {
+    std::printf("SKIPPED: mount tmpfs: %s\n", std::strerror(errno));
+    return 77;
+  }
+  const std::string disk = dir + "/tier";
+  constexpr std::size_t n = 64;  // 4 MiB through a 1 MiB segment and a 3 MiB disk
+  std::size_t kept = 0;
+  {
+    pool_rig r(disk);
+    check(r.put_all("full/", n) == n, "puts stopped when the disk filled up");
+    const std::string m = r.metrics();
+    check(m.find("kvlink_store_disks 1\n") != std::string::npos, "the disk left the pool");
+    check(m.find("kvlink_store_disks_accepting 0\n") != std::string::npos,
+          "the full disk still takes objects");
+    check(m.find("kvlink_store_disk_failures_total 0\n") == std::string::npos,
+          "no failed copy was reported");
+    kept = r.read_all("full/", n);
+    std::printf("full disk: %zu puts landed, %zu of them read back\n", n, kept);
+    // More than the segment holds: the disk's objects stayed readable.
+    check(kept > 16, "what the disk held before it filled up was lost");
+  }
+  if (::mount(nullptr, dir.c_str(), nullptr, MS_REMOUNT | MS_RDONLY, nullptr) != 0) {
+    std::printf("FAILED: remount read-only: %s\n", std::strerror(errno));
+    return 1;
+  }
+  {
+    // A new owner on the read-only disk: what it holds comes back; new
+    // evictions cannot go there, and puts land all the same.
+    pool_rig r(disk);
+    const std::size_t back = r.read_all("full/", n);
+    std::printf("read-only disk: %zu objects back\n", back);
+    check(back + 16 >= kept, "objects of the read-only disk did not come back");
+    check(r.put_all("ro/", 32) == 32, "puts stopped on a read-only disk");
+    check(r.metrics().find("kvlink_store_disks_accepting 0\n") != std::string::npos,
+          "the read-only disk still takes objects");
+    (void)r.read_all("ro/", 32);
+  }
+  return failures == 0 ? 0 : 1;
+}
+
+// Runs `body` in a forked child with a private mount namespace (77 where
+// there is none).
+template <class Body>
+int in_namespace(Body body) {
   const std::string dir = temp_dir();
   const pid_t pid = ::fork();
   if (pid == 0) {
@@ -229,7 +392,7 @@ int full() {
     }
     int rc = 1;
     try {
-      rc = full_in_namespace(dir);
+      rc = body(dir);
     } catch (const std::exception& e) {
       std::printf("FAILED: %s\n", e.what());
     }
@@ -247,7 +410,8 @@ int full() {
 int main(int argc, char** argv) {
   const std::string_view mode = argc > 1 ? argv[1] : "";
   if (mode == "crash") return crash();
-  if (mode == "full") return full();
-  std::fprintf(stderr, "usage: %s crash|full\n", argv[0]);
+  if (mode == "full") return in_namespace(full_in_namespace);
+  if (mode == "pool") return in_namespace(pool_in_namespace);
+  std::fprintf(stderr, "usage: %s crash|full|pool\n", argv[0]);
   return 2;
 }

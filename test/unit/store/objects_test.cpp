@@ -593,6 +593,14 @@ TEST_CASE("object_table: a failed disk copy leaves the object to plain eviction"
   CHECK(evict_everything(t, at(200)).evicted == 1);  // no second try
   CHECK(tasks_of(t).empty());
   CHECK(t.get("mine", at(200), info) == store_errc::object_not_found);
+  // A disk that failed a write (read only) gets no more objects.
+  t.mount_disk(1, 1 << 30, false);
+  CHECK(t.has_disk(1));
+  CHECK_FALSE(t.accepting_disk(1));
+  CHECK(t.stats().disks_accepting == 0);
+  put(t, "later", 1000, at(300), {.preferred = only_1});
+  CHECK(evict_everything(t, at(400)).evicted == 1);
+  CHECK(tasks_of(t).empty());
 }
 
 TEST_CASE("object_table: disk manifests, drops, failed loads and a holder that leaves") {

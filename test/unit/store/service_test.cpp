@@ -175,7 +175,10 @@ TEST_CASE("master service: the SSD tier's messages and the tasks it sends") {
   wire::reader rm(a.body);
   REQUIRE(!rm.status());
   const std::uint64_t seg = rm.u64();
-  a = handle(svc, owner.session, disk_mount, body_of([](wire::writer& w) { w.u64(1u << 30); }));
+  a = handle(svc, owner.session, disk_mount, body_of([](wire::writer& w) {
+               w.u64(1u << 30);
+               w.u8(1);
+             }));
   wire::reader r0(a.body);
   CHECK_FALSE(r0.status());
   CHECK(r0.finish() == std::error_code{});
@@ -252,8 +255,24 @@ TEST_CASE("master service: the SSD tier's messages and the tasks it sends") {
   CHECK(metrics.find("kvlink_store_disk_replicas 2\n") != std::string::npos);
   CHECK(metrics.find("kvlink_store_disk_tasks_total{kind=\"load\"} 1\n") != std::string::npos);
   CHECK(metrics.find("kvlink_store_disk_reports_total{kind=\"adopt\"} 4\n") != std::string::npos);
+  // A write failed there: read only. Its objects stay readable.
+  a = handle(svc, owner.session, disk_mount, body_of([](wire::writer& w) {
+               w.u64(1u << 30);
+               w.u8(0);
+             }));
+  CHECK(svc.metrics_text().find("kvlink_store_disks_accepting 0\n") != std::string::npos);
+  CHECK(svc.objects().get("m2", at(0), info) == store_errc::object_loading);
+  CHECK(svc.take_disk_frames().size() == 1);  // its load
+  a = handle(svc, owner.session, disk_mount, body_of([](wire::writer& w) {
+               w.u64(1);
+               w.u8(2);  // not a flag
+             }));
+  CHECK(a.close);
   // The disk leaves: "m2", on it only, goes with it.
-  a = handle(svc, owner.session, disk_mount, body_of([](wire::writer& w) { w.u64(0); }));
+  a = handle(svc, owner.session, disk_mount, body_of([](wire::writer& w) {
+               w.u64(0);
+               w.u8(0);
+             }));
   CHECK(svc.objects().get("m2", at(0), info) == store_errc::object_not_found);
   CHECK_FALSE(svc.objects().get("m1", at(0), info));  // in memory still
 }

@@ -861,11 +861,12 @@ class client_state : public std::enable_shared_from_this<client_state> {
     // Our segments leave the pool first (their objects with them), then
     // the engine forgets them.
     if (connected_) {
-      if (disk_ && !disk_failed_) {
+      if (disk_) {
         // Its objects cannot be read while this client is away; they come
         // back with its manifest when it mounts the disk again.
         wire::writer w(wire::message_type::disk_mount, 0, false);
         w.u64(0);
+        w.u8(0);
         std::string body;
         std::string frame = w.take();
         (void)co_await request(std::move(frame), body);
@@ -1307,10 +1308,11 @@ class client_state : public std::enable_shared_from_this<client_state> {
   // (its manifest, in frames of up to half the master's max_body). Keys the
   // master does not take are deleted from the disk.
   asio::awaitable<std::error_code> mount_disk_at_master() {
-    if (!disk_ || disk_failed_) co_return std::error_code{};
+    if (!disk_) co_return std::error_code{};
     {
       wire::writer w(wire::message_type::disk_mount, 0, false);
       w.u64(opt_.disk_capacity);
+      w.u8(disk_failed_ ? 0 : 1);
       std::string body;
       std::string frame = w.take();
       if (auto ec = co_await request(std::move(frame), body)) co_return ec;
@@ -1408,9 +1410,9 @@ class client_state : public std::enable_shared_from_this<client_state> {
     struct job {
       std::vector<report_entry> reports;
       std::vector<std::string> evicted;
-      std::mutex mu;  // evicted
+      std::mutex mu;        // evicted, failure
+      std::string failure;  // the first write the disk refused ("" none)
       std::atomic<std::size_t> left{0};
-      std::atomic<bool> io_error{false};
     };
     auto j = std::make_shared<job>();
     std::vector<std::function<void()>> work;
@@ -1447,16 +1449,19 @@ class client_state : public std::enable_shared_from_this<client_state> {
           j->reports[slot].code = ec.category() == store_error_category()
                                       ? static_cast<std::uint32_t>(ec.value())
                                       : static_cast<std::uint32_t>(store_errc::transfer_failed);
-          if (ec.category() == std::system_category() || ec.category() == std::generic_category()) {
-            j->io_error.store(true);
+          // The disk refused a write (full, read only, failing): not this
+          // object's fault.
+          if (store && (ec.category() == std::system_category() ||
+                        ec.category() == std::generic_category())) {
+            std::lock_guard lock{j->mu};
+            if (j->failure.empty()) j->failure = ec.message();
           }
         }
       });
     }
     if (work.empty()) {
       if (!j->reports.empty()) {
-        asio::co_spawn(strand_,
-                       finish_disk_job(shared_from_this(), std::move(j->reports), {}, false),
+        asio::co_spawn(strand_, finish_disk_job(shared_from_this(), std::move(j->reports), {}, {}),
                        asio::detached);
       }
       return;
@@ -1472,7 +1477,7 @@ class client_state : public std::enable_shared_from_this<client_state> {
           if (!self || self->closed_) return;
           asio::co_spawn(self->strand_,
                          finish_disk_job(self, std::move(j->reports), std::move(j->evicted),
-                                         j->io_error.load()),
+                                         std::move(j->failure)),
                          asio::detached);
         });
       });
@@ -1519,23 +1524,26 @@ class client_state : public std::enable_shared_from_this<client_state> {
     return {};
   }
 
-  // Reports a frame's tasks (and what the tier evicted meanwhile); an I/O
-  // error takes the disk out of the pool (the memory tier goes on).
+  // Reports a frame's tasks (and what the tier evicted meanwhile); a write
+  // the disk refused makes it read only in the pool: what it holds stays
+  // readable, eviction sends it nothing more (the memory tier goes on).
   static asio::awaitable<void> finish_disk_job(std::shared_ptr<client_state> self,
                                                std::vector<report_entry> reports,
-                                               std::vector<std::string> evicted, bool io_error) {
+                                               std::vector<std::string> evicted,
+                                               std::string failure) {
     for (auto& k : evicted) {
       reports.push_back({wire::disk_report_kind::dropped, std::move(k), 0, 0, 0, 0});
     }
     if (!reports.empty()) (void)co_await self->send_disk_reports(std::move(reports));
-    if (io_error && !self->disk_failed_ && !self->closed_) {
+    if (!failure.empty() && !self->disk_failed_ && !self->closed_) {
       self->disk_failed_ = true;
       kvlink::detail::log(
-          "store: SSD tier at {}: the disk failed (see the errors above); it leaves the pool "
-          "and evicted objects are dropped until this client restarts",
-          self->opt_.disk_path);
+          "store: SSD tier at {}: a write failed ({}); what the disk holds stays readable, "
+          "evicted objects are dropped from now on, until this client restarts",
+          self->opt_.disk_path, failure);
       wire::writer w(wire::message_type::disk_mount, 0, false);
-      w.u64(0);
+      w.u64(self->opt_.disk_capacity);
+      w.u8(0);
       std::string body;
       std::string frame = w.take();
       (void)co_await self->request(std::move(frame), body);

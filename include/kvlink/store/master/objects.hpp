@@ -152,6 +152,7 @@ struct pool_stats {
   std::size_t segments = 0;
   std::uint64_t disk_replicas = 0;  ///< replicas on clients' disks (the SSD tier)
   std::size_t disks = 0;            ///< clients with a disk mounted
+  std::size_t disks_accepting = 0;  ///< of them, those eviction may send objects to
 };
 
 /// Work for a disk holder (a client with a disk mounted): the master
@@ -643,14 +644,15 @@ class object_table {
   // put_discard_timeout is given up by reclaim().
 
   /// A client's disk joins the tier (`capacity` bytes, > 0), or leaves it
-  /// (0: unmount_disk).
-  void mount_disk(std::uint64_t client, std::uint64_t capacity) {
+  /// (0: unmount_disk). Not `accepting` (it failed a write: full, read
+  /// only): its objects stay readable, eviction sends it no more.
+  void mount_disk(std::uint64_t client, std::uint64_t capacity, bool accepting = true) {
     if (capacity == 0) {
       (void)unmount_disk(client);
       return;
     }
     std::lock_guard lock{disk_mu_};
-    disks_[client] = capacity;
+    disks_[client] = {capacity, accepting};
   }
 
   /// The client's disk leaves the tier: its disk replicas are dropped
@@ -693,6 +695,11 @@ class object_table {
   bool has_disk(std::uint64_t client) const {
     std::lock_guard lock{disk_mu_};
     return disks_.count(client) != 0;
+  }
+  bool accepting_disk(std::uint64_t client) const {
+    std::lock_guard lock{disk_mu_};
+    const auto it = disks_.find(client);
+    return it != disks_.end() && it->second.accepting;
   }
 
   /// An object `client`'s disk holds (its manifest at mount): a key the
@@ -995,6 +1002,7 @@ class object_table {
     {
       std::lock_guard lock{disk_mu_};
       p.disks = disks_.size();
+      for (const auto& [client, d] : disks_) p.disks_accepting += d.accepting ? 1 : 0;
     }
     std::lock_guard lock{discard_mu_};
     p.reserved = reserved_;
@@ -1276,7 +1284,7 @@ class object_table {
     for (std::size_t i = 0; i < o.count(); ++i) {
       if (detail::on_disk(o.replica(i))) continue;
       const std::uint64_t c = segments_.client_of(segment_id{o.replica(i).segment});
-      if (c != 0 && has_disk(c)) {
+      if (c != 0 && accepting_disk(c)) {
         at = i;
         return c;
       }
@@ -1396,10 +1404,14 @@ class object_table {
   std::atomic<bool> eviction_wanted_{false};
   std::atomic<std::uint64_t> disk_replicas_{0};
   std::atomic<std::uint64_t> demoting_bytes_{0};
-  mutable std::mutex disk_mu_;                              // a leaf lock
-  std::unordered_map<std::uint64_t, std::uint64_t> disks_;  // client -> capacity; disk_mu_
-  std::mutex tasks_mu_;                                     // a leaf lock
-  std::vector<disk_task> tasks_;                            // guarded by tasks_mu_
+  struct disk_info {
+    std::uint64_t capacity = 0;
+    bool accepting = true;
+  };
+  mutable std::mutex disk_mu_;                          // a leaf lock
+  std::unordered_map<std::uint64_t, disk_info> disks_;  // by client; disk_mu_
+  std::mutex tasks_mu_;                                 // a leaf lock
+  std::vector<disk_task> tasks_;                        // guarded by tasks_mu_
   mutable std::mutex discard_mu_;
   std::vector<discarded_range> discarded_;  // guarded by discard_mu_
   std::uint64_t reserved_ = 0;              // guarded by discard_mu_

@@ -620,10 +620,15 @@ class master_service {
       }
       case wire::message_type::disk_mount: {
         const std::uint64_t capacity = r.u64();
+        const std::uint8_t accepting = r.u8();
+        if (accepting > 1) r.fail();
         if ((dec = r.finish())) break;
-        table_.mount_disk(client, capacity);
+        table_.mount_disk(client, capacity, accepting == 1);
         kvlink::detail::log("client {}: disk {} ({} bytes)", client,
-                            capacity == 0 ? "left the SSD tier" : "joined the SSD tier", capacity);
+                            capacity == 0    ? "left the SSD tier"
+                            : accepting == 1 ? "in the SSD tier"
+                                             : "in the SSD tier, read only (it failed a write)",
+                            capacity);
         w.status({});
         break;
       }
@@ -840,6 +845,8 @@ class master_service {
             suspect_events_.load());
     counter("kvlink_store_clients_gone_total", "Clients declared gone.", clients_gone_.load());
     gauge("kvlink_store_disks", "Clients with a disk in the SSD tier.", p.disks);
+    gauge("kvlink_store_disks_accepting", "Disks eviction may send objects to (not failed).",
+          p.disks_accepting);
     gauge("kvlink_store_disk_replicas", "Objects' replicas on clients' disks.", p.disk_replicas);
     gauge("kvlink_store_demoting_bytes", "Bytes being copied to disks by eviction.",
           table_.demoting_bytes());

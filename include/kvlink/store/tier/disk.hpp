@@ -591,7 +591,9 @@ class disk_tier {
   // one, and dropping old ones, as needed); holds mu_. Threads append to
   // up to four files at once (stripes): appends to one file serialise on
   // its inode in the file system (measured here: two threads putting 64 KiB
-  // objects into one file at 0.69 of the disk's rate, one at 0.81).
+  // objects into one file at 0.69 of the disk's rate, one at 0.81). When
+  // a new file cannot be started (a full disk), another stripe's file with
+  // room takes the record.
   std::error_code allocate(std::uint64_t n, place& out, std::vector<std::string>* evicted) {
     const std::size_t stripe = thread_number() % open_.size();
     std::shared_ptr<tier_file>& cur = open_[stripe];
@@ -606,13 +608,23 @@ class disk_tier {
              sealed_bytes_ + (open_count_ + 1) * opt_.file_bytes > opt_.capacity) {
         drop_oldest(evicted);
       }
-      if (std::error_code ec = start_file(cur)) return ec;
+      if (std::error_code ec = start_file(cur)) {
+        // No new file (the disk is full, say): another open file with room
+        // takes the record.
+        for (auto& other : open_) {
+          if (other && other->end + n <= opt_.file_bytes) return place_in(other, n, out);
+        }
+        return ec;
+      }
       ++open_count_;
     }
-    out.file = cur;
-    out.offset = cur->end;
+    return place_in(cur, n, out);
+  }
+  std::error_code place_in(const std::shared_ptr<tier_file>& f, std::uint64_t n, place& out) {
+    out.file = f;
+    out.offset = f->end;
     out.sequence = next_sequence_++;
-    cur->end += n;
+    f->end += n;
     return {};
   }
 

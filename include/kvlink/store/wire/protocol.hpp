@@ -83,7 +83,8 @@ enum class message_type : std::uint16_t {
   replicas = 13,     ///< {[key]} -> [code, u64 size, u32 0, replicas]: get's answer, no lease
   adopt = 14,        ///< {u64 segment, [str key, u64 offset, u64 size], u8 open} -> [u32 code]:
                      ///< more objects of a segment mounted closed; open 1 ends its announcement
-  disk_mount = 15,   ///< {u64 capacity} -> {}: this client's disk joins the SSD tier (0: leaves)
+  disk_mount = 15,   ///< {u64 capacity, u8 accepting} -> {}: this client's disk joins the SSD
+                     ///< tier (capacity 0: leaves; accepting 0: read only, no new objects)
   disk_report = 16,  ///< {[u8 kind, str key, u64 size, u64 segment, u64 offset, u32 code]}
                      ///< -> [u32 code]: what the disk holds or did (disk_report_kind)
   disk_task = 17,    ///< master -> client, unasked (id 0, no reply):
