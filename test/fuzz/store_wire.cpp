@@ -319,7 +319,8 @@ void dispatch(const std::uint8_t* data, std::size_t size) {
       wire::reader tr(std::string_view(f.bytes).substr(wire::header_size));
       wire::disk_entries tasks;
       KVLINK_FUZZ_CHECK(!tasks.decode(tr, false));
-      KVLINK_FUZZ_CHECK(tasks.entries.size() == f.tasks && f.tasks > 0);
+      KVLINK_FUZZ_CHECK(tasks.entries.size() == f.tasks.size() && !f.tasks.empty());
+      if ((who & 0x0C) == 0x0C) svc.undeliverable(f);  // the holder had no connection
     }
   }
   (void)kvlink::store::route_http(svc, "GET", "/metrics");

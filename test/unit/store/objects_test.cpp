@@ -664,6 +664,36 @@ TEST_CASE("object_table: disk manifests, drops, failed loads and a holder that l
   CHECK(t.unmount_disk(1) == 0);
 }
 
+TEST_CASE("object_table: tasks that never reach their holder end at once") {
+  object_table t;
+  mount(t, 1, "s", 1 << 20);
+  t.mount_disk(1, 1 << 30);
+  put(t, "a", 1000, at(0));
+  CHECK(evict_everything(t, at(100)).demoted == 1);
+  auto tasks = tasks_of(t);
+  REQUIRE(tasks.size() == 1);
+  CHECK(t.demoting_bytes() > 0);
+  t.disk_task_undelivered(tasks[0]);
+  CHECK(t.demoting_bytes() == 0);                    // eviction no longer waits for it
+  CHECK(evict_everything(t, at(200)).evicted == 1);  // and frees it without a disk
+  CHECK(tasks_of(t).empty());
+  put(t, "a", 1000, at(300));
+  CHECK_FALSE(t.disk_adopt("a", 1000, 1));  // on the disk and in memory
+  CHECK(evict_everything(t, at(300)).evicted == 1);
+  // A load: its range is freed, the object stays on the disk.
+  object_info info;
+  CHECK(t.get("a", at(400), info) == store_errc::object_loading);
+  tasks = tasks_of(t);
+  REQUIRE(tasks.size() == 1);
+  t.disk_task_undelivered(tasks[0]);
+  CHECK(t.stats().objects == 1);
+  CHECK(t.stats().disk_replicas == 1);
+  CHECK(t.stats().used == 0);  // the range is free at once: nobody writes into it
+  CHECK(t.stats().reserved == 0);
+  CHECK(t.get("a", at(500), info) == store_errc::object_loading);  // asks its holder again
+  CHECK(tasks_of(t).size() == 1);
+}
+
 TEST_CASE("object_table: removing an object a disk holder is copying keeps its range") {
   object_table t;
   mount(t, 1, "s", 1 << 20);

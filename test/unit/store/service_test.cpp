@@ -222,7 +222,7 @@ TEST_CASE("master service: the SSD tier's messages and the tasks it sends") {
   auto frames = svc.take_disk_frames();
   REQUIRE(frames.size() == 1);
   CHECK(frames[0].client == owner.session.client->id);
-  CHECK(frames[0].tasks == 1);
+  CHECK(frames[0].tasks.size() == 1);
   wire::header_bytes hb{};
   std::copy_n(frames[0].bytes.begin(), wire::header_size, hb.begin());
   wire::frame_header th;

@@ -798,6 +798,23 @@ class object_table {
     return {};
   }
 
+  /// A task that never reached its holder (no connection): a store ends
+  /// and its object is evicted without a disk (the pool does not wait for
+  /// a holder that may be gone), a load frees its range (the object stays
+  /// on the disk; the next get asks again). Drops: nothing to undo.
+  void disk_task_undelivered(const disk_task& t) {
+    if (t.what == disk_task::kind::drop || check_key(t.key)) return;
+    shard& sh = shard_of(detail::hash_key(t.key));
+    std::lock_guard lock{sh.mu};
+    detail::object_meta* it = sh.objects.find(t.key);
+    if (it == nullptr || !holds(*it, t.segment, t.offset)) return;
+    if (t.what == disk_task::kind::store && it->is(detail::object_meta::demoting)) {
+      end_demotion(sh, *it, false);
+    } else if (t.what == disk_task::kind::load && it->is(detail::object_meta::loading)) {
+      end_load(sh, *it, false, /*touched*/ false);
+    }
+  }
+
   /// Moves the tasks waiting for disk holders to `out` (cleared first).
   void take_disk_tasks(std::vector<disk_task>& out) {
     out.clear();
@@ -1343,8 +1360,8 @@ class object_table {
   }
 
   // `ok` false: the range being filled is given up (kept a while: the
-  // holder may still write into it).
-  void end_load(shard& sh, detail::object_meta& o, bool ok) {
+  // holder may still write into it, unless it never got the task).
+  void end_load(shard& sh, detail::object_meta& o, bool ok, bool touched = true) {
     o.set(detail::object_meta::loading, false);
     sh.disk_pending.erase(&o);
     if (ok) return;
@@ -1353,7 +1370,11 @@ class object_table {
         ++i;
         continue;
       }
-      reserve_range(o.replica(i).segment, o.replica(i).offset, footprint_of(o), o.time_ms);
+      if (touched) {
+        reserve_range(o.replica(i).segment, o.replica(i).offset, footprint_of(o), o.time_ms);
+      } else {
+        segments_.free(segment_id{o.replica(i).segment}, o.replica(i).offset, footprint_of(o));
+      }
       o.drop_replica(i);
     }
   }

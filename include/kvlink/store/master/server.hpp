@@ -36,8 +36,10 @@
 // The SSD tier: tasks for disk holders (object_table's disk tasks, made by
 // eviction, gets and removes) go out as disk_task frames (id 0, never
 // answered) on the connection the holder last spoke on, queued with its
-// replies; a holder without a connection misses them (counted) and the
-// table gives them up after store_put_discard_timeout.
+// replies; those for a holder without a connection end at once (counted):
+// a store's object is evicted without a disk by the next round, a load
+// frees its range and the next get asks again; a drop is lost (the
+// holder's manifest may bring that key back later).
 //
 // Timers, each on its own strand so that none waits behind request
 // processing: liveness (marks suspect and gone clients), reclaim (puts that
@@ -635,7 +637,7 @@ class master_server {
     for (auto& f : self->service.take_disk_frames()) {
       auto c = self->connection_of(f.client);
       if (!c) {
-        self->service.count_unsent(f.tasks);
+        self->service.undeliverable(f);
         continue;
       }
       asio::post(c->strand, [self, c, bytes = std::move(f.bytes), a = activity{self}]() mutable {

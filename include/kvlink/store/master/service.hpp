@@ -57,6 +57,7 @@
 #include <chrono>
 #include <cstdint>
 #include <initializer_list>
+#include <iterator>
 #include <map>
 #include <memory>
 #include <mutex>
@@ -689,11 +690,11 @@ class master_service {
   /// The SSD tier's tasks waiting for their disk holders, as disk_task
   /// frames (id 0, at most about 1 MiB of body each) with the client each
   /// is for. The server sends them on those clients' connections; a task
-  /// it cannot send (count_unsent) is given up by reclaim() later.
+  /// it cannot send is handed back (undeliverable) and ends at once.
   struct disk_frame {
     std::uint64_t client = 0;
     std::string bytes;
-    std::size_t tasks = 0;
+    std::vector<disk_task> tasks;  ///< what the frame carries
   };
   std::vector<disk_frame> take_disk_frames() {
     std::vector<disk_frame> frames;
@@ -707,6 +708,7 @@ class master_service {
       const std::uint64_t client = tasks[i].client;
       wire::disk_entries body;
       std::size_t bytes = 0;
+      const std::size_t from = i;
       for (; i < tasks.size() && tasks[i].client == client && bytes < (1u << 20); ++i) {
         const disk_task& t = tasks[i];
         body.entries.push_back(
@@ -716,15 +718,19 @@ class master_service {
       }
       wire::writer w(wire::message_type::disk_task, 0, false);
       body.encode(w, false);
-      const std::size_t n = body.entries.size();
-      frames.push_back({client, w.take(), n});
+      frames.push_back({client, w.take(),
+                        std::vector<disk_task>(std::make_move_iterator(tasks.begin() + from),
+                                               std::make_move_iterator(tasks.begin() + i))});
     }
     return frames;
   }
 
-  /// Counts disk tasks the server could not deliver (no connection).
-  void count_unsent(std::size_t n) noexcept {
-    disk_unsent_.fetch_add(n, std::memory_order_relaxed);
+  /// A frame the server could not deliver (its holder has no connection):
+  /// its stores and loads end now (object_table::disk_task_undelivered),
+  /// so their bytes do not hold up eviction until reclaim gives them up.
+  void undeliverable(const disk_frame& f) {
+    disk_unsent_.fetch_add(f.tasks.size(), std::memory_order_relaxed);
+    for (const disk_task& t : f.tasks) table_.disk_task_undelivered(t);
   }
 
   /// The reply to a frame whose header decode_header() refused with `ec`
