@@ -816,10 +816,14 @@ class object_table {
   }
 
   /// Moves the tasks waiting for disk holders to `out` (cleared first).
+  /// The server calls it after every request: without tasks waiting it
+  /// reads one atomic and takes no lock.
   void take_disk_tasks(std::vector<disk_task>& out) {
     out.clear();
+    if (!tasks_waiting_.load(std::memory_order_acquire)) return;
     std::lock_guard lock{tasks_mu_};
     out.swap(tasks_);
+    tasks_waiting_.store(false, std::memory_order_relaxed);
   }
 
   // ---- lookups --------------------------------------------------------
@@ -1289,6 +1293,7 @@ class object_table {
   void push_task(disk_task t) {
     std::lock_guard lock{tasks_mu_};
     tasks_.push_back(std::move(t));
+    tasks_waiting_.store(true, std::memory_order_release);
   }
 
   // The client owning a memory replica of `o` that has a disk, 0 when none
@@ -1433,6 +1438,7 @@ class object_table {
   std::unordered_map<std::uint64_t, disk_info> disks_;  // by client; disk_mu_
   std::mutex tasks_mu_;                                 // a leaf lock
   std::vector<disk_task> tasks_;                        // guarded by tasks_mu_
+  std::atomic<bool> tasks_waiting_{false};              // tasks_ not empty (set under tasks_mu_)
   mutable std::mutex discard_mu_;
   std::vector<discarded_range> discarded_;  // guarded by discard_mu_
   std::uint64_t reserved_ = 0;              // guarded by discard_mu_
