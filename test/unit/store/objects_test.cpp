@@ -543,9 +543,12 @@ TEST_CASE("object_table: eviction sends objects to a disk, a get loads them back
   CHECK(t.get("a", at(31'001), info) == store_errc::object_loading);
   CHECK(tasks_of(t).empty());  // one load at a time
   CHECK(t.stats().used > 0);
-  CHECK(t.disk_loaded("a", 2, tasks[0].segment, tasks[0].offset, true) ==
+  CHECK(t.disk_loaded("a", 2, tasks[0].segment, tasks[0].offset, true, at(31'001)) ==
         store_errc::object_not_found);
-  CHECK_FALSE(t.disk_loaded("a", 1, tasks[0].segment, tasks[0].offset, true));
+  CHECK_FALSE(t.disk_loaded("a", 1, tasks[0].segment, tasks[0].offset, true, at(31'001)));
+  // Loaded under a read lease: eviction leaves it for the reader's next ask
+  // (without it, a pool evicting hard pushed it out again first).
+  CHECK(evict_everything(t, at(31'002)).evicted == 0);
   REQUIRE_FALSE(t.get("a", at(31'002), info));
   REQUIRE(info.replicas.size() == 1);
   CHECK(info.replicas[0].offset == tasks[0].offset);
@@ -632,7 +635,7 @@ TEST_CASE("object_table: disk manifests, drops, failed loads and a holder that l
   CHECK(t.get("d", at(0), info) == store_errc::object_loading);
   auto tasks = tasks_of(t);
   REQUIRE(tasks.size() == 1);
-  CHECK_FALSE(t.disk_loaded("d", 1, tasks[0].segment, tasks[0].offset, false));
+  CHECK_FALSE(t.disk_loaded("d", 1, tasks[0].segment, tasks[0].offset, false, at(0)));
   CHECK(t.get("d", at(0), info) == store_errc::object_not_found);
   CHECK(t.stats().reserved > 0);  // the range waits out put_release_timeout
 
@@ -643,7 +646,7 @@ TEST_CASE("object_table: disk manifests, drops, failed loads and a holder that l
   REQUIRE(tasks.size() == 1);
   CHECK(t.reclaim(at(29'000)).disk_tasks_given_up == 0);
   CHECK(t.reclaim(at(30'000)).disk_tasks_given_up == 1);
-  CHECK(t.disk_loaded("e", 1, tasks[0].segment, tasks[0].offset, true) ==
+  CHECK(t.disk_loaded("e", 1, tasks[0].segment, tasks[0].offset, true, at(30'001)) ==
         store_errc::object_not_found);
   CHECK(t.get("e", at(30'001), info) == store_errc::object_loading);
   CHECK(tasks_of(t).size() == 1);

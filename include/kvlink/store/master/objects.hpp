@@ -762,12 +762,15 @@ class object_table {
   }
 
   /// The end of a load task: `client` filled (`ok`) the range at
-  /// `segment`/`offset` from its disk, and the object is readable there; or
-  /// it failed, and the range is freed and its disk replica dropped (the
-  /// object is lost when that was its last replica). object_not_found when
-  /// no such load is under way.
+  /// `segment`/`offset` from its disk, and the object is readable there,
+  /// under a read lease from `now` (the lease its reader's get would have
+  /// had: it keeps the object in memory until the reader asks again, where
+  /// a pool evicting hard would push it out first and load it again, over
+  /// and over); or it failed, and the range is freed and its disk replica
+  /// dropped (the object is lost when that was its last replica).
+  /// object_not_found when no such load is under way.
   std::error_code disk_loaded(std::string_view key, std::uint64_t client, std::uint64_t segment,
-                              std::uint64_t offset, bool ok) {
+                              std::uint64_t offset, bool ok, master_time now) {
     if (auto ec = check_key(key)) return ec;
     shard& sh = shard_of(detail::hash_key(key));
     std::lock_guard lock{sh.mu};
@@ -777,6 +780,7 @@ class object_table {
       return store_errc::object_not_found;
     }
     end_load(sh, *it, ok);
+    if (ok) grant_lease(*it, now);
     if (!ok) {
       drop_disk_replica(*it, client);
       if (it->count() == 0) erase(sh, it);

@@ -651,7 +651,7 @@ class master_service {
               ec = table_.disk_stored(e.key, client, e.segment, e.offset, ok);
               break;
             case wire::disk_report_kind::loaded:
-              ec = table_.disk_loaded(e.key, client, e.segment, e.offset, ok);
+              ec = table_.disk_loaded(e.key, client, e.segment, e.offset, ok, now);
               break;
             case wire::disk_report_kind::dropped:
               ec = table_.disk_dropped(e.key, client);
