@@ -30,7 +30,7 @@
 #include <thread>
 #include <vector>
 
-#include <fcntl.h>
+#include "disk_reference.hpp"
 #include <unistd.h>
 
 namespace tier = kvlink::store::tier;
@@ -73,81 +73,9 @@ std::vector<std::string> split(std::string_view s) {
   return out;
 }
 
-struct aligned {
-  std::byte* p = nullptr;
-  explicit aligned(std::uint64_t n) {
-    p = static_cast<std::byte*>(std::aligned_alloc(4096, (n + 4095) & ~std::uint64_t{4095}));
-    if (p == nullptr) throw std::bad_alloc();
-    for (std::uint64_t i = 0; i < n; ++i) p[i] = static_cast<std::byte>(i * 131 + 7);
-  }
-  ~aligned() { std::free(p); }
-  aligned(const aligned&) = delete;
-  aligned& operator=(const aligned&) = delete;
-};
-
-// Runs f(thread) on `threads` threads; the seconds they took together.
-template <class F>
-double timed(unsigned threads, F&& f) {
-  std::vector<std::thread> ts;
-  std::atomic<bool> failed{false};
-  const auto t0 = clock_type::now();
-  for (unsigned t = 0; t < threads; ++t) {
-    ts.emplace_back([&, t] {
-      try {
-        f(t);
-      } catch (const std::exception& e) {
-        std::fprintf(stderr, "kvlink_disk_bench: %s\n", e.what());
-        failed = true;
-      }
-    });
-  }
-  for (auto& th : ts) th.join();
-  if (failed) throw std::runtime_error("a thread failed");
-  return std::chrono::duration<double>(clock_type::now() - t0).count();
-}
-
-struct rates {
-  double write_gbs = 0, read_gbs = 0;
-};
-
-// The disk's own sequential rate: each thread writes then reads its own
-// file of `per_thread` bytes in requests of `size`.
-rates disk_reference(const std::string& dir, std::uint64_t size, std::uint64_t per_thread,
-                     unsigned threads, bool direct) {
-  const std::uint64_t req = std::max<std::uint64_t>(4096, (size + 4095) & ~std::uint64_t{4095});
-  const std::uint64_t count = std::max<std::uint64_t>(1, per_thread / size);
-  std::vector<int> fds(threads, -1);
-  for (unsigned t = 0; t < threads; ++t) {
-    const std::string path = dir + "/reference-" + std::to_string(t);
-    fds[t] = ::open(path.c_str(), O_RDWR | O_CREAT | O_TRUNC | O_CLOEXEC | (direct ? O_DIRECT : 0),
-                    0644);
-    if (fds[t] < 0) throw std::system_error(errno, std::system_category(), "open " + path);
-    ::unlink(path.c_str());
-  }
-  rates r;
-  const double total = static_cast<double>(count * size) * threads;
-  const double w = timed(threads, [&](unsigned t) {
-    aligned buf(req);
-    for (std::uint64_t i = 0; i < count; ++i) {
-      if (::pwrite(fds[t], buf.p, req, static_cast<off_t>(i * req)) != static_cast<ssize_t>(req)) {
-        throw std::system_error(errno, std::system_category(), "reference write");
-      }
-    }
-    if (!direct) ::fsync(fds[t]);
-  });
-  const double rd = timed(threads, [&](unsigned t) {
-    aligned buf(req);
-    for (std::uint64_t i = 0; i < count; ++i) {
-      if (::pread(fds[t], buf.p, req, static_cast<off_t>(i * req)) != static_cast<ssize_t>(req)) {
-        throw std::system_error(errno, std::system_category(), "reference read");
-      }
-    }
-  });
-  for (int fd : fds) ::close(fd);
-  r.write_gbs = total / w / 1e9;
-  r.read_gbs = total / rd / 1e9;
-  return r;
-}
+using kvlink::bench::disk::aligned;
+using kvlink::bench::disk::rates;
+using kvlink::bench::disk::timed;
 
 rates tier_run(const std::string& dir, std::uint64_t size, std::uint64_t per_thread,
                unsigned threads, bool direct, tier::disk_stats& st) {
@@ -245,7 +173,7 @@ int main(int argc, char** argv) {
       for (const auto& ts : split(threads_list)) {
         const unsigned threads = static_cast<unsigned>(std::stoul(ts));
         const std::uint64_t per_thread = bytes / threads;
-        const rates ref = disk_reference(work, size, per_thread, threads, direct);
+        const rates ref = kvlink::bench::disk::sequential(work, size, per_thread, threads, direct);
         tier::disk_stats st;
         const rates got = tier_run(work, size, per_thread, threads, direct, st);
         std::printf("%-8s %7u | %12.2f %12.2f %6.2f | %12.2f %12.2f %6.2f\n", s.c_str(), threads,

@@ -7,6 +7,7 @@
 //   kvlink_store_bench --transports tcp,shm --json out.json
 //   kvlink_store_bench --list                       # the rows' names
 //   kvlink_store_bench --rebuild 10000,100000,1000000   # master restarts (below)
+//   kvlink_store_bench --disk /nvme/tmp                 # the SSD tier against the disk
 //
 // Two sections per transport:
 //  - ops: keys per second of 4 KiB put, get and exists from 1 client and from
@@ -27,6 +28,9 @@
 //
 // --rebuild replaces the sections: how long a restarted master takes to get
 // N objects back from their owner's records, against N (see rebuild()).
+// --disk DIR replaces them too: the SSD tier's eviction to disk and gets of
+// disk-only objects against the same disk's own sequential rate
+// (disk_section()).
 //
 // Each client has its own engine; the engines share one io_context run by
 // --threads threads. The serving process is this program re-executed with the
@@ -45,6 +49,7 @@
 #include <cstdint>
 #include <cstdio>
 #include <cstring>
+#include <filesystem>
 #include <fstream>
 #include <future>
 #include <memory>
@@ -59,6 +64,7 @@
 #include <vector>
 
 #include "bench_common.hpp"
+#include "disk_reference.hpp"
 #include <CLI/CLI.hpp>
 #include <asio/executor_work_guard.hpp>
 #include <asio/io_context.hpp>
@@ -112,6 +118,14 @@ struct options {
   // --rebuild: master restarts against the number of keys.
   std::string rebuild;
   std::uint64_t rebuild_size = 1024;
+  // --disk: the SSD tier against the disk.
+  std::string disk;
+  std::string disk_sizes = "64KiB,1MiB,2304KiB";
+  std::uint64_t disk_bytes = 2048 * mib;
+  std::uint64_t disk_pool = 512 * mib;
+  unsigned disk_depth = 4;
+  unsigned disk_batch = 8;
+  unsigned disk_lease_ms = 1000;
   // The hidden serving role.
   bool serve = false;
   std::string master;
@@ -921,6 +935,237 @@ void print_bw_header(const options& o) {
 
 }  // namespace
 
+// ------------------------------------------------------------------ the SSD tier
+
+/// The value of one sample of the master's /metrics (Prometheus text), e.g.
+/// `kvlink_store_disk_tasks_total{kind="load"}`; 0 when it is not there.
+double metric(const std::string& http, std::string_view sample) {
+  const auto colon = http.rfind(':');
+  asio::ip::tcp::iostream s(http.substr(0, colon), http.substr(colon + 1));
+  s << "GET /metrics HTTP/1.0\r\nHost: " << http << "\r\n\r\n" << std::flush;
+  std::string line;
+  while (std::getline(s, line)) {
+    if (line.size() > sample.size() && line.compare(0, sample.size(), sample) == 0 &&
+        line[sample.size()] == ' ') {
+      return std::stod(line.substr(sample.size() + 1));
+    }
+  }
+  return 0;
+}
+
+/// --disk DIR: the store's SSD tier against the disk it sits on, in one run.
+/// For each size of --disk-sizes: the disk's own sequential rate
+/// (disk_reference.hpp: O_DIRECT, requests of the object's size, over
+/// --disk-bytes), then a kvlink-master child and one owner client in this
+/// process with a segment of --disk-pool bytes and its disk under DIR.
+///  - put: the pool is filled (not timed), then --disk-bytes of fresh
+///    objects are put through it, --disk-depth threads each putting
+///    --disk-batch keys per call (a key refused with no_space is put again
+///    1 ms later): every byte put must first push an older object to the
+///    disk, so the rate is the eviction-to-disk rate the user sees.
+///  - get: every object in put order that was sent to the disk (the oldest:
+///    CLOCK with no hits evicts in put order), same depth and batch, bytes
+///    checked; "loads" is how many the master had read back from the disk
+///    (its kvlink_store_disk_tasks_total{kind="load"} before and after).
+///  - lat: the mean time of one get of one key at a time, 64 keys on the
+///    disk only against 64 keys in memory.
+int disk_section(const options& o) {
+  std::vector<std::uint64_t> sizes;
+  for (const auto s : kb::split_list(o.disk_sizes)) {
+    const auto n = kvlink::parse_size(s);
+    if (!n || *n == 0) throw std::invalid_argument("--disk-sizes: bad size " + std::string(s));
+    sizes.push_back(*n);
+  }
+  const std::string work = o.disk + "/kvlink-store-bench-" + std::to_string(::getpid());
+  std::filesystem::create_directories(work);
+  asio::io_context io;
+  auto guard = asio::make_work_guard(io);
+  std::vector<std::thread> runners;
+  for (unsigned i = 0; i < std::max(1u, o.threads); ++i) runners.emplace_back([&io] { io.run(); });
+  fmt::print(
+      "# SSD tier in the store under {}: one owner client with a {} MiB segment and a disk, a "
+      "kvlink-master child (read lease {} ms); {} MiB put per row, {} threads x {} keys per call\n"
+      "# disk = this program's O_DIRECT sequential writer/reader on the same directory, requests "
+      "of the object's size; put = store puts through the full pool (each pushes older objects to "
+      "the disk); get = gets of the objects sent to the disk, bytes checked; lat us = one key per "
+      "call, disk-only vs in memory; GB = 10^9 B\n",
+      o.disk, o.disk_pool / mib, o.disk_lease_ms, o.disk_bytes / mib, o.disk_depth, o.disk_batch);
+  fmt::print("{:>8} | {:>8} {:>8} {:>6} | {:>8} {:>8} {:>6} {:>7} | {:>8} {:>8}\n", "object",
+             "disk wr", "put", "ratio", "disk rd", "get", "ratio", "loads", "lat disk", "lat mem");
+  fmt::print("{:>8} | {:>8} {:>8} {:>6} | {:>8} {:>8} {:>6} {:>7} | {:>8} {:>8}\n", "", "GB/s",
+             "GB/s", "", "GB/s", "GB/s", "", "", "us", "us");
+  int status = 0;
+  for (const auto size : sizes) {
+    try {
+      // The first `warm` objects fill the pool (not timed); the n after them
+      // each push an older one to the disk.
+      const std::uint64_t warm = o.disk_pool / size;
+      const std::uint64_t n =
+          warm + std::max<std::uint64_t>(2 * o.disk_depth * o.disk_batch, o.disk_bytes / size);
+      const auto ref = kb::disk::sequential(work, size, (n - warm) * size, 1, true);
+      std::uint16_t port = 0, http_port = 0;
+      {
+        asio::ip::tcp::acceptor a(io, {asio::ip::make_address("127.0.0.1"), 0});
+        asio::ip::tcp::acceptor b(io, {asio::ip::make_address("127.0.0.1"), 0});
+        port = a.local_endpoint().port();
+        http_port = b.local_endpoint().port();
+      }
+      const std::string listen = "127.0.0.1:" + std::to_string(port);
+      const std::string http = "127.0.0.1:" + std::to_string(http_port);
+      child m(o.master_bin,
+              {"--listen", listen, "--http", http, "--threads", std::to_string(o.master_threads),
+               "--default_kv_lease_ttl", std::to_string(o.disk_lease_ms)},
+              "kvlink-master: listening on ", SIGTERM);
+      const std::string dir = work + "/disk";
+      std::filesystem::remove_all(dir);
+      const std::uint64_t per_call = std::uint64_t{o.disk_batch} * size;
+      kb::page_buffer pool(o.disk_pool);
+      kb::page_buffer src(o.disk_depth * per_call);
+      kb::page_buffer dst(o.disk_depth * per_call);
+      kvlink::engine eng{io.get_executor(),
+                         kvlink::config{.listen = "127.0.0.1:0", .transports = "tcp"}};
+      eng.register_segment(src.data(), src.size());
+      eng.register_segment(dst.data(), dst.size());
+      store::client c{
+          eng, {.master = listen, .disk_path = dir, .disk_capacity = 2 * n * size + 64 * mib}};
+      c.async_mount(pool.data(), pool.size(), asio::use_future).get();
+      const auto key = [](std::uint64_t i) { return fmt::format("{}{:016x}", key_prefix, i); };
+      // Object i's bytes: a pattern of its number, checked on the way back.
+      const auto fill = [size](std::byte* p, std::uint64_t i) {
+        for (std::uint64_t b = 0; b < size; b += 4096) {
+          const std::uint64_t v = i * 0x9E3779B97F4A7C15ull + b;
+          std::memcpy(p + b, &v, std::min<std::uint64_t>(8, size - b));
+        }
+      };
+      const auto check = [size](const std::byte* p, std::uint64_t i) {
+        for (std::uint64_t b = 0; b < size; b += 4096) {
+          const std::uint64_t v = i * 0x9E3779B97F4A7C15ull + b;
+          if (std::memcmp(p + b, &v, std::min<std::uint64_t>(8, size - b)) != 0) return false;
+        }
+        return true;
+      };
+      // Calls of --disk-batch keys from --disk-depth threads over keys
+      // [first, last), thread t taking every depth-th call; `put` or get.
+      std::atomic<std::uint64_t> failures{0};
+      const auto run = [&](bool put, std::uint64_t first, std::uint64_t last) {
+        return kb::disk::timed(o.disk_depth, [&](unsigned t) {
+          std::byte* mine = (put ? src : dst).data() + t * per_call;
+          std::vector<std::string> keys(o.disk_batch);
+          std::vector<std::string_view> views;
+          std::vector<const void*> from;
+          std::vector<void*> to;
+          std::vector<std::uint64_t> sizes_in, sizes_out(o.disk_batch);
+          std::vector<std::error_code> results(o.disk_batch);
+          std::vector<std::uint64_t> ids;
+          for (std::uint64_t call = first + t * o.disk_batch; call < last;
+               call += std::uint64_t{o.disk_depth} * o.disk_batch) {
+            ids.clear();
+            for (std::uint64_t i = call; i < std::min(last, call + o.disk_batch); ++i) {
+              ids.push_back(i);
+            }
+            for (int attempt = 0; !ids.empty(); ++attempt) {
+              if (attempt > 0) std::this_thread::sleep_for(1ms);
+              if (attempt > 30000) throw std::runtime_error("no space for 30 s");
+              views.clear();
+              from.clear();
+              to.clear();
+              sizes_in.assign(ids.size(), size);
+              for (std::size_t k = 0; k < ids.size(); ++k) {
+                keys[k] = key(ids[k]);
+                views.push_back(keys[k]);
+                std::byte* p = mine + k * size;
+                if (put) fill(p, ids[k]);
+                from.push_back(p);
+                to.push_back(p);
+              }
+              const auto nk = ids.size();
+              if (put) {
+                c.async_put_batch(std::span(views.data(), nk), std::span(from.data(), nk),
+                                  std::span(sizes_in.data(), nk), std::span(results.data(), nk), {},
+                                  std::span<const std::string_view>{}, asio::use_future)
+                    .get();
+              } else {
+                c.async_get_batch(std::span(views.data(), nk), std::span(to.data(), nk),
+                                  std::span(sizes_in.data(), nk), std::span(sizes_out.data(), nk),
+                                  std::span(results.data(), nk), asio::use_future)
+                    .get();
+              }
+              std::vector<std::uint64_t> again;
+              for (std::size_t k = 0; k < nk; ++k) {
+                if (put && results[k] == kvlink::store_errc::no_space) {
+                  again.push_back(ids[k]);
+                } else if (results[k]) {
+                  throw std::system_error(results[k], (put ? "put " : "get ") + keys[k]);
+                } else if (!put && (sizes_out[k] != size || !check(mine + k * size, ids[k]))) {
+                  ++failures;
+                }
+              }
+              ids = std::move(again);
+            }
+          }
+        });
+      };
+      (void)run(true, 0, warm);
+      const double put_s = run(true, warm, n);
+      // Let the copies under way finish, so that the gets below read
+      // objects that are on the disk.
+      std::this_thread::sleep_for(500ms);
+      const std::uint64_t on_disk =
+          static_cast<std::uint64_t>(metric(http, "kvlink_store_disk_replicas"));
+      const std::uint64_t lat_keys = 64;
+      if (on_disk < 2 * lat_keys + std::uint64_t{o.disk_depth} * o.disk_batch) {
+        throw std::runtime_error(
+            fmt::format("only {} of {} objects went to the disk (raise "
+                        "--disk-bytes over --disk-pool)",
+                        on_disk, n));
+      }
+      // Latency, one key per call: the first keys (on the disk only) and the
+      // last ones (in memory).
+      const auto one_at_a_time = [&](std::uint64_t first) {
+        const auto t0 = clock_type::now();
+        for (std::uint64_t i = first; i < first + lat_keys; ++i) {
+          const auto got = c.async_get(key(i), dst.data(), size, asio::use_future).get();
+          if (got != size || !check(dst.data(), i)) ++failures;
+        }
+        return std::chrono::duration<double, std::micro>(clock_type::now() - t0).count() /
+               static_cast<double>(lat_keys);
+      };
+      const double loads0 = metric(http, "kvlink_store_disk_tasks_total{kind=\"load\"}");
+      const double lat_disk = one_at_a_time(0);
+      const double lat_mem = one_at_a_time(n - lat_keys);
+      const double loads1 = metric(http, "kvlink_store_disk_tasks_total{kind=\"load\"}");
+      const std::uint64_t last = on_disk - lat_keys;  // the oldest on_disk objects went first
+      const double get_s = run(false, lat_keys, last);
+      const double loads2 = metric(http, "kvlink_store_disk_tasks_total{kind=\"load\"}");
+      c.async_close(asio::use_future).get();
+      if (failures != 0) {
+        throw std::runtime_error(fmt::format("{} object(s) came back wrong", failures.load()));
+      }
+      const double put_gbs = static_cast<double>((n - warm) * size) / put_s / 1e9;
+      const double get_gbs = static_cast<double>((last - lat_keys) * size) / get_s / 1e9;
+      fmt::print(
+          "{:>8} | {:>8.2f} {:>8.2f} {:>6.2f} | {:>8.2f} {:>8.2f} {:>6.2f} {:>7} | {:>8.0f} "
+          "{:>8.0f}{}\n",
+          object_label(size), ref.write_gbs, put_gbs, put_gbs / ref.write_gbs, ref.read_gbs,
+          get_gbs, get_gbs / ref.read_gbs,
+          fmt::format("{:.0f}/{}", loads2 - loads1, last - lat_keys), lat_disk, lat_mem,
+          loads1 - loads0 < lat_keys ? fmt::format(" (only {:.0f} of the {} disk-latency gets "
+                                                   "were loads)",
+                                                   loads1 - loads0, lat_keys)
+                                     : std::string{});
+      std::fflush(stdout);
+    } catch (const std::exception& e) {
+      std::fprintf(stderr, "kvlink_store_bench --disk (%s): %s\n", object_label(size).c_str(),
+                   e.what());
+      status = 1;
+    }
+  }
+  guard.reset();
+  for (auto& t : runners) t.join();
+  std::filesystem::remove_all(work);
+  return status;
+}
+
 int main(int argc, char** argv) {
   options o;
   CLI::App app{
@@ -955,12 +1200,44 @@ int main(int argc, char** argv) {
                  "(e.g. 10000,100000,1000000)");
   app.add_option("--rebuild-size", o.rebuild_size, "bytes per object of --rebuild")
       ->capture_default_str();
+  app.add_option("--disk", o.disk,
+                 "instead of the rows: the SSD tier's put/get against the disk under this "
+                 "directory");
+  app.add_option("--disk-sizes", o.disk_sizes, "object sizes of --disk")->capture_default_str();
+  app.add_option("--disk-bytes", o.disk_bytes,
+                 "bytes put per --disk row, above --disk-pool (KiB, MiB, GiB: K, M, G)")
+      ->transform(CLI::AsSizeValue(false))
+      ->capture_default_str();
+  app.add_option("--disk-pool", o.disk_pool, "bytes of the owner's segment in --disk")
+      ->transform(CLI::AsSizeValue(false))
+      ->capture_default_str();
+  app.add_option("--disk-depth", o.disk_depth, "threads with a call in flight in --disk")
+      ->capture_default_str();
+  app.add_option("--disk-batch", o.disk_batch, "keys per call in --disk")->capture_default_str();
+  app.add_option("--disk-lease-ms", o.disk_lease_ms,
+                 "the master's read lease in --disk (store_lease_ttl; it bounds gets of "
+                 "disk-only objects to about --disk-pool per lease)")
+      ->capture_default_str();
   app.add_flag("--serve", o.serve)->group("");
   app.add_option("--master", o.master)->group("");
   CLI11_PARSE(app, argc, argv);
 
   if (o.serve) return serve(o);
   if (!o.rebuild.empty()) return rebuild(o);
+  if (!o.disk.empty()) {
+    if (o.disk_depth == 0 || o.disk_batch == 0 || o.disk_pool == 0 || o.disk_bytes <= o.disk_pool) {
+      std::fprintf(stderr,
+                   "kvlink_store_bench: --disk-depth, --disk-batch and --disk-pool must be "
+                   "positive, --disk-bytes above --disk-pool\n");
+      return 2;
+    }
+    try {
+      return disk_section(o);
+    } catch (const std::exception& e) {
+      std::fprintf(stderr, "kvlink_store_bench --disk: %s\n", e.what());
+      return 1;
+    }
+  }
 
   std::vector<unsigned> depths;
   for (const auto d : kb::split_list(o.depths))
