@@ -151,6 +151,23 @@ double cpu_seconds(pid_t pid) {
   return static_cast<double>(utime + stime) / static_cast<double>(::sysconf(_SC_CLK_TCK));
 }
 
+/// An io_context run by `threads` threads (at least one) until this is
+/// destroyed; what uses it must be gone by then.
+struct io_runners {
+  asio::io_context io;
+  asio::executor_work_guard<asio::io_context::executor_type> guard = asio::make_work_guard(io);
+  std::vector<std::thread> threads;
+  explicit io_runners(unsigned n) {
+    for (unsigned i = 0; i < std::max(1u, n); ++i) threads.emplace_back([this] { io.run(); });
+  }
+  ~io_runners() {
+    guard.reset();
+    for (auto& t : threads) t.join();
+  }
+  io_runners(const io_runners&) = delete;
+  io_runners& operator=(const io_runners&) = delete;
+};
+
 /// A child process with pipes on its stdin and stdout whose first line says
 /// it is ready. Destruction closes its stdin, sends `stop_signal` (0: none)
 /// and reaps it (SIGKILL after 10 s). It dies with this process
@@ -271,10 +288,8 @@ std::uint64_t rss_bytes(pid_t pid) {
 int rebuild(const options& o) {
   std::vector<std::uint64_t> counts;
   for (const auto n : kb::split_list(o.rebuild)) counts.push_back(std::stoull(std::string(n)));
-  asio::io_context io;
-  auto guard = asio::make_work_guard(io);
-  std::vector<std::thread> runners;
-  for (unsigned i = 0; i < std::max(1u, o.threads); ++i) runners.emplace_back([&io] { io.run(); });
+  io_runners run_io(o.threads);
+  asio::io_context& io = run_io.io;
   fmt::print(
       "# master restart with N objects of {} B in one owner's segment (this host, one client; "
       "keys \"{}<16 hex>\")\n"
@@ -367,8 +382,6 @@ int rebuild(const options& o) {
                static_cast<double>(rss_after) / static_cast<double>(n));
     std::fflush(stdout);
   }
-  guard.reset();
-  for (auto& t : runners) t.join();
   return status;
 }
 
@@ -381,12 +394,8 @@ int rebuild(const options& o) {
 int serve(const options& o) {
   kb::page_buffer pool(o.pool);
   kb::page_buffer raw(o.raw);
-  asio::io_context io;
-  auto guard = asio::make_work_guard(io);
-  std::vector<std::thread> runners;
-  for (unsigned i = 0; i < std::max(1u, o.server_threads); ++i) {
-    runners.emplace_back([&io] { io.run(); });
-  }
+  io_runners run_io(o.server_threads);
+  asio::io_context& io = run_io.io;
   int status = 0;
   {
     kvlink::engine eng{io.get_executor(),
@@ -410,8 +419,6 @@ int serve(const options& o) {
       status = 1;
     }
   }
-  guard.reset();
-  for (auto& t : runners) t.join();
   return status;
 }
 
@@ -978,10 +985,8 @@ int disk_section(const options& o) {
   }
   const std::string work = o.disk + "/kvlink-store-bench-" + std::to_string(::getpid());
   std::filesystem::create_directories(work);
-  asio::io_context io;
-  auto guard = asio::make_work_guard(io);
-  std::vector<std::thread> runners;
-  for (unsigned i = 0; i < std::max(1u, o.threads); ++i) runners.emplace_back([&io] { io.run(); });
+  io_runners run_io(o.threads);
+  asio::io_context& io = run_io.io;
   fmt::print(
       "# SSD tier in the store under {}: one owner client with a {} MiB segment and a disk, a "
       "kvlink-master child (read lease {} ms); {} MiB put per row, {} threads x {} keys per call\n"
@@ -1160,8 +1165,6 @@ int disk_section(const options& o) {
       status = 1;
     }
   }
-  guard.reset();
-  for (auto& t : runners) t.join();
   std::filesystem::remove_all(work);
   return status;
 }
