@@ -9,7 +9,9 @@
 // or contiguous ones (which the planner merges), from 10^3 to 10^5 per
 // call. Reported: ns per request (the goal: <= 100 ns), and the
 // same over TCP on loopback with the wire in it, for scale (and 256 MiB in
-// 1 MiB requests, the large-slice case).
+// 1 MiB requests, the large-slice case): with vector frames (many pieces
+// to a frame, the default) and without (`_single`: tcp_vector_pieces 0, a
+// frame per request), in the same run.
 //
 //   <build>/bench/kvlink_engine_bench --benchmark_min_time=0.5
 #include <kvlink/engine.hpp>
@@ -32,11 +34,13 @@ namespace {
 
 // Two engines on one io_context run by `threads` threads, connected.
 struct pair {
-  pair(const std::string& transport, int threads, std::size_t max_requests, std::uint64_t piece_)
+  pair(const std::string& transport, int threads, std::size_t max_requests, std::uint64_t piece_,
+       std::uint32_t vector_pieces)
       : piece(piece_) {
     kvlink_test::add_fake_transport();
     kvlink_test::fake_settings::instant = transport == "fake";
-    const kvlink::config cfg{.listen = "127.0.0.1:0", .transports = transport};
+    kvlink::config cfg{.listen = "127.0.0.1:0", .transports = transport};
+    cfg.tcp.vector_pieces = vector_pieces;
     target = std::make_unique<kvlink::engine>(io.get_executor(), cfg);
     initiator = std::make_unique<kvlink::engine>(io.get_executor(), cfg);
     for (int i = 0; i < threads; ++i) runners.emplace_back([this] { io.run(); });
@@ -73,9 +77,10 @@ struct pair {
 };
 
 void bm_submit(benchmark::State& state, const std::string& transport, bool scattered,
-               std::uint64_t piece = 4096) {
+               std::uint64_t piece = 4096,
+               std::uint32_t vector_pieces = kvlink::tcp_config{}.vector_pieces) {
   const auto n = static_cast<std::size_t>(state.range(0));
-  pair p(transport, 2, n, piece);
+  pair p(transport, 2, n, piece, vector_pieces);
   const auto reqs = p.batch(n, scattered);
   for (auto _ : state) {
     const auto r = p.initiator->async_submit_transfer(reqs, asio::use_future).get();
@@ -92,7 +97,9 @@ void bm_submit(benchmark::State& state, const std::string& transport, bool scatt
 void bm_fake_scattered(benchmark::State& s) { bm_submit(s, "fake", true); }
 void bm_fake_contiguous(benchmark::State& s) { bm_submit(s, "fake", false); }
 void bm_tcp_scattered(benchmark::State& s) { bm_submit(s, "tcp", true); }
+void bm_tcp_scattered_single(benchmark::State& s) { bm_submit(s, "tcp", true, 4096, 0); }
 void bm_tcp_1mib(benchmark::State& s) { bm_submit(s, "tcp", false, 1u << 20); }
+void bm_tcp_1mib_single(benchmark::State& s) { bm_submit(s, "tcp", false, 1u << 20, 0); }
 
 }  // namespace
 
@@ -108,6 +115,8 @@ BENCHMARK(bm_fake_contiguous)
     ->Unit(benchmark::kMillisecond)
     ->UseRealTime();
 BENCHMARK(bm_tcp_scattered)->Arg(10'000)->Unit(benchmark::kMillisecond)->UseRealTime();
+BENCHMARK(bm_tcp_scattered_single)->Arg(10'000)->Unit(benchmark::kMillisecond)->UseRealTime();
 BENCHMARK(bm_tcp_1mib)->Arg(256)->Unit(benchmark::kMillisecond)->UseRealTime();
+BENCHMARK(bm_tcp_1mib_single)->Arg(256)->Unit(benchmark::kMillisecond)->UseRealTime();
 
 BENCHMARK_MAIN();

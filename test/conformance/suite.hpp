@@ -331,6 +331,20 @@ TEST_CASE("conformance: bounds and access are checked and a bad batch moves noth
   auto unknown = r.run({{opcode::write, r.local.data(),
                          r.peer.segment(kvlink::segment_id{r.remote_seg.value() + 1000}), 0, 16}});
   CHECK(unknown.ec == kvlink::errc::not_registered);
+  // Many small requests to it (over TCP: pieces sharing frames) are refused
+  // all the same, and move nothing either way.
+  for (const auto op : {opcode::write, opcode::read}) {
+    CAPTURE(kvlink::to_string(op));
+    std::vector<kvlink::transfer_request> many;
+    for (std::size_t i = 0; i < 100; ++i) {
+      many.push_back({op, r.local.data() + i * 64,
+                      r.peer.segment(kvlink::segment_id{r.remote_seg.value() + 1000}), i * 128,
+                      64});
+    }
+    auto refused = r.run(many);
+    CHECK(refused.ec == kvlink::errc::not_registered);
+    CHECK(refused.result.bytes == 0);
+  }
   auto ok = r.run({r.req(opcode::read, 0, 0, 4096)});
   CHECK_FALSE(ok.ec);
   CHECK(r.peer.connected());

@@ -22,12 +22,14 @@
 #include <kvlink/tcp/frame.hpp>
 #include <kvlink/version.hpp>
 
+#include <array>
 #include <cstddef>
 #include <cstdint>
 #include <cstdio>
 #include <filesystem>
 #include <fstream>
 #include <functional>
+#include <initializer_list>
 #include <string>
 #include <string_view>
 #include <vector>
@@ -116,9 +118,31 @@ void frames() {
   bad = bytes_of(wr);
   bad[5] = 0;
   put("frame", "bad_type_0", bad);
-  bad[5] = 5;
-  put("frame", "bad_type_5", bad);
+  bad[5] = 7;
+  put("frame", "bad_type_7", bad);
   put("frame", "truncated", bytes_of(wr).substr(0, 39));
+
+  // Vector frames: a header, then its piece table (and payloads, not read).
+  const auto table = [](std::initializer_list<kvlink::tcp::frame_piece> pieces) {
+    std::string out;
+    for (const auto& p : pieces) {
+      std::array<std::byte, kvlink::tcp::piece_entry_size> b{};
+      kvlink::tcp::encode(p, b.data());
+      out.append(reinterpret_cast<const char*>(b.data()), b.size());
+    }
+    return out;
+  };
+  const frame_header wv{frame_type::write_vector, 0, 4, 1, 3, 4096 + 4096 + 1};
+  const frame_header rv{frame_type::read_vector, 0, 5, 1, 2, 8192};
+  put("frame", "write_vector",
+      bytes_of(wv) + table({{0, 4096}, {1 << 20, 4096}, {12345, 1}}) + bytes_of(ack));
+  put("frame", "read_vector", bytes_of(rv) + table({{8192, 4096}, {0, 4096}}) + bytes_of(resp));
+  put("frame", "vector_sum_short", bytes_of(rv) + table({{8192, 4096}, {0, 4095}}));
+  put("frame", "vector_zero_piece", bytes_of(wv) + table({{0, 8193}, {0, 0}, {0, 0}}));
+  frame_header too_many = rv;
+  too_many.offset = kvlink::tcp::max_vector_pieces + 1;
+  too_many.length = 1u << 20;
+  put("frame", "vector_too_many", bytes_of(too_many));
 }
 
 // ------------------------------------------------------------------ descriptors

@@ -9,16 +9,29 @@
 //        6    2 status    0 = ok, else a kvlink::errc value (responses only)
 //        8    8 tag       per-lane sequence number, echoed by the response
 //       16    8 segment   target segment id
-//       24    8 offset    byte offset inside the segment
+//       24    8 offset    byte offset inside the segment (vector frames: piece count)
 //       32    8 length    payload bytes (requested bytes for read_request)
 //       40    4 flags     bit 0: checksum (a CRC32C of the payload is checked)
 //       44    4 checksum  CRC32C of the payload this frame carries, when flagged
+//
+// Vector frames (write_vector, read_vector) carry many pieces of one
+// segment: `offset` holds the piece count (1 .. max_vector_pieces) and
+// `length` the bytes of all pieces together; a table of that many 16-byte
+// entries follows the header, each (offset u64, length u64), lengths at
+// least 1 and summing to `length`; then, for write_vector, the pieces'
+// payloads back to back in table order. The answer is one write_ack or one
+// read_response (its payload the pieces back to back) for the whole frame,
+// its status the first check that failed; a refused frame touched nothing.
+// A peer sends them only to a target that advertised them (its tcp
+// descriptor entry: "vector", the most pieces a frame may carry), so the
+// version stays 2: older targets never see one.
 //
 // Checksums: a write_request with the flag carries its payload's CRC32C;
 // the target checks the bytes it placed and answers checksum_mismatch (the
 // write is not acknowledged as done). A read_request with the flag asks the
 // target for the CRC32C of the bytes it sends, in the read_response, which
-// the initiator checks after placing them.
+// the initiator checks after placing them. A vector frame's checksum covers
+// its payload as one run of bytes (the pieces in table order).
 //
 // Nothing is ever sent as a raw struct: encode() and decode() write and read
 // each field explicitly, so the layout does not depend on the compiler.
@@ -46,6 +59,22 @@ enum class frame_type : std::uint8_t {
   read_request = 2,   ///< initiator -> target, no payload
   write_ack = 3,      ///< target -> initiator, no payload, sent after the data is in memory
   read_response = 4,  ///< target -> initiator, payload follows when status is 0
+  write_vector = 5,   ///< initiator -> target, piece table then payloads follow
+  read_vector = 6,    ///< initiator -> target, piece table follows
+};
+
+/// The most pieces a vector frame may carry (what a target advertises).
+inline constexpr std::size_t max_vector_pieces = 256;
+inline constexpr std::size_t piece_entry_size = 16;
+
+inline constexpr bool is_vector(frame_type t) noexcept {
+  return t == frame_type::write_vector || t == frame_type::read_vector;
+}
+
+/// One entry of a vector frame's piece table.
+struct frame_piece {
+  std::uint64_t offset = 0;
+  std::uint64_t length = 0;
 };
 
 struct frame_header {
@@ -110,7 +139,7 @@ inline std::error_code decode(const std::byte* in, frame_header& h) noexcept {
     return errc::protocol_version_mismatch;
   }
   const auto type = byte_order::get_le<std::uint8_t>(in + 5);
-  if (type < 1 || type > 4) {
+  if (type < 1 || type > 6) {
     return errc::malformed_message;
   }
   h.type = static_cast<frame_type>(type);
@@ -122,6 +151,32 @@ inline std::error_code decode(const std::byte* in, frame_header& h) noexcept {
   h.flags = byte_order::get_le<std::uint32_t>(in + 40);
   h.checksum = byte_order::get_le<std::uint32_t>(in + 44);
   if ((h.flags & ~frame_known_flags) != 0) return errc::malformed_message;
+  // A vector frame's piece count; each piece has a byte at least.
+  if (is_vector(h.type) && (h.offset < 1 || h.offset > max_vector_pieces || h.length < h.offset)) {
+    return errc::malformed_message;
+  }
+  return {};
+}
+
+constexpr void encode(const frame_piece& p, std::byte* out) noexcept {
+  byte_order::put_le<std::uint64_t>(out + 0, p.offset);
+  byte_order::put_le<std::uint64_t>(out + 8, p.length);
+}
+
+/// Parses a vector frame's piece table: `count` entries at `in`, whose
+/// lengths must each be at least 1 and add up to `total` (the header's
+/// length); else errc::malformed_message (the connection must close).
+/// Offsets are the receiver's to check, like a header's.
+inline std::error_code decode_pieces(const std::byte* in, std::size_t count, std::uint64_t total,
+                                     frame_piece* out) noexcept {
+  std::uint64_t sum = 0;
+  for (std::size_t i = 0; i < count; ++i) {
+    out[i].offset = byte_order::get_le<std::uint64_t>(in + i * piece_entry_size);
+    out[i].length = byte_order::get_le<std::uint64_t>(in + i * piece_entry_size + 8);
+    if (out[i].length == 0 || out[i].length > total - sum) return errc::malformed_message;
+    sum += out[i].length;
+  }
+  if (sum != total) return errc::malformed_message;
   return {};
 }
 

@@ -34,6 +34,17 @@
 // frame on device memory when this engine has no staging is answered with
 // errc::device_error.
 //
+// A vector frame (tcp/frame.hpp: many pieces of one segment) is checked
+// whole before any memory is touched: its piece table is read, every piece
+// checked against the registry, the segment pinned once; a WRITE's payload
+// is then read straight into the pieces (one scatter receive: what the
+// read-ahead holds is copied first), a READ's answer written straight from
+// them (one gather write with the other responses), with one answer per
+// frame. A frame whose pieces fail a check is refused whole (its payload
+// drained) with the first failure; the initiator sends its pieces again one
+// frame each. Device segments refuse vector frames (device_error): staging
+// serves them frame by frame.
+//
 // Runs on the executor of its socket (a strand of its own: close() and
 // holds() are posted there by the transport, copy and chunk completions are
 // posted there by the staging pool); pins through a transport_host, which
@@ -50,6 +61,7 @@
 #include <kvlink/transport/transport.hpp>
 
 #include <algorithm>
+#include <array>
 #include <cstring>
 #include <deque>
 #include <exception>
@@ -74,11 +86,16 @@ class lane_server : public std::enable_shared_from_this<lane_server> {
   static constexpr std::size_t max_pending_responses = 1024;
   static constexpr std::size_t drain_chunk = 256u << 10;
   static constexpr std::size_t max_deferred_responses = 32;
+  /// Buffers one gather write of responses may take (more responses wait
+  /// for the next one).
+  static constexpr std::size_t max_write_buffers = 1024;
   static constexpr std::uint64_t max_deferred_payload = 64u << 10;
   /// Bytes one receive of a header may bring (the header and what follows)
   /// after a frame of at most small_frame bytes.
   static constexpr std::size_t read_ahead = 32u << 10;
   static constexpr std::uint64_t small_frame = 16u << 10;
+  /// Bytes of the longest piece table.
+  static constexpr std::size_t max_table = max_vector_pieces * piece_entry_size;
 
   /// `lease` (optional) is held until the connection closes. `staging`
   /// (null: no device runtime) serves frames on device segments.
@@ -161,7 +178,14 @@ class lane_server : public std::enable_shared_from_this<lane_server> {
     std::uint64_t length = 0;
     segment_id segment{};
     bool pinned = false;
-    std::shared_ptr<staged> st;  // a frame on device memory: header and payload there
+    std::shared_ptr<staged> st;              // a frame on device memory: header and payload there
+    std::vector<asio::const_buffer> pieces;  // a vector READ's payload (else `payload`)
+  };
+
+  // A checked piece of a vector frame: where its bytes are.
+  struct span {
+    std::byte* data = nullptr;
+    std::size_t length = 0;
   };
 
   // Serves the frames whose headers the read-ahead holds, in a loop on this
@@ -201,9 +225,10 @@ class lane_server : public std::enable_shared_from_this<lane_server> {
     ahead_pos_ = 0;
     ahead_end_ = keep;
     // After a small frame, read ahead (more small ones likely follow);
-    // after a large one, only the header, so that its successor's payload
-    // goes straight into place.
-    const std::size_t room = small_ ? ahead_.size() - ahead_end_ : frame_header_size - keep;
+    // after a large one, only as much as a header and a piece table, so
+    // that most of its successor's payload goes straight into place.
+    const std::size_t room =
+        small_ ? ahead_.size() - ahead_end_ : frame_header_size + max_table - keep;
     asio::async_read(socket_, asio::buffer(ahead_.data() + ahead_end_, room),
                      asio::transfer_at_least(frame_header_size - keep),
                      [self = shared_from_this()](std::error_code ec, std::size_t n) {
@@ -246,14 +271,29 @@ class lane_server : public std::enable_shared_from_this<lane_server> {
     }
     frame_header h;
     if (decode(in_.data(), h) ||
-        (h.type != frame_type::write_request && h.type != frame_type::read_request) ||
+        (h.type != frame_type::write_request && h.type != frame_type::read_request &&
+         !is_vector(h.type)) ||
         h.length > max_payload_ || h.status != 0) {
       close();  // cannot trust the stream any more
       return;
     }
     // Only a large WRITE's payload follows its header; READ requests are
     // headers alone, however much they ask for.
-    small_ = h.type != frame_type::write_request || h.length <= small_frame;
+    small_ = (h.type != frame_type::write_request && h.type != frame_type::write_vector) ||
+             h.length <= small_frame;
+    if (is_vector(h.type)) {
+      if (table_.empty()) table_.resize(max_table);
+      read_exact(table_.data(), static_cast<std::size_t>(h.offset) * piece_entry_size,
+                 [self = shared_from_this(), h](std::error_code rec) {
+                   if (self->closed_) return;
+                   if (rec) {
+                     self->close();
+                     return;
+                   }
+                   self->on_table(h);
+                 });
+      return;
+    }
     const segment_id seg{h.segment};
     memory_desc memory;
     if (h.type == frame_type::write_request) {
@@ -283,16 +323,7 @@ class lane_server : public std::enable_shared_from_this<lane_server> {
                    // mismatch is answered, never acknowledged as written.
                    const bool bad = !rec && (h.flags & frame_flag_checksum) != 0 &&
                                     crc32c(dst, static_cast<std::size_t>(h.length)) != h.checksum;
-                   self->pinned_read_ = false;
-                   self->host_.unpin(segment_id{h.segment});
-                   if (rec) {
-                     self->close();
-                     return;
-                   }
-                   self->respond(frame_type::write_ack, h,
-                                 bad ? std::error_code{errc::checksum_mismatch} : std::error_code{},
-                                 nullptr, segment_id{}, false);
-                   self->read_header();
+                   self->placed(h, rec, bad);
                  });
       return;
     }
@@ -311,6 +342,129 @@ class lane_server : public std::enable_shared_from_this<lane_server> {
       respond(frame_type::read_response, h, {}, src, seg, true);
     }
     read_header();
+  }
+
+  // A host WRITE's payload was received into its segment (`rec`: how the
+  // receive ended; `bad`: its checksum failed): unpinned, answered, and the
+  // next header read.
+  void placed(const frame_header& h, std::error_code rec, bool bad) {
+    pinned_read_ = false;
+    host_.unpin(segment_id{h.segment});
+    if (rec) {
+      close();
+      return;
+    }
+    respond(frame_type::write_ack, h,
+            bad ? std::error_code{errc::checksum_mismatch} : std::error_code{}, nullptr,
+            segment_id{}, false);
+    read_header();
+  }
+
+  // ------------------------------------------------------------ vector frames
+
+  // A vector frame's piece table is in table_: every piece is checked, the
+  // segment pinned once, then the pieces are served together.
+  void on_table(const frame_header& h) {
+    const auto count = static_cast<std::size_t>(h.offset);
+    if (decode_pieces(table_.data(), count, h.length, pieces_.data())) {
+      close();  // cannot trust the stream any more
+      return;
+    }
+    const bool write = h.type == frame_type::write_vector;
+    const segment_id seg{h.segment};
+    std::error_code check;
+    spans_.clear();
+    for (std::size_t i = 0; i < count && !check; ++i) {
+      std::byte* at = nullptr;
+      memory_desc memory;
+      check = registry_.check_remote_access(seg, pieces_[i].offset, pieces_[i].length,
+                                            write ? access::remote_write : access::remote_read, at,
+                                            memory);
+      // Staging serves device memory one frame at a time.
+      if (!check && memory.kind == memory_kind::device) check = errc::device_error;
+      spans_.push_back(span{at, static_cast<std::size_t>(pieces_[i].length)});
+    }
+    if (!check && !host_.pin(seg)) check = errc::not_registered;  // unregistered since
+    if (!write) {
+      if (check) {
+        respond(frame_type::read_response, h, check, nullptr, segment_id{}, false);
+      } else {
+        respond_pieces(h, seg);
+      }
+      read_header();
+      return;
+    }
+    if (check) {
+      drain(h, check);
+      return;
+    }
+    pinned_read_ = true;
+    pinned_read_segment_ = seg;
+    read_scattered([self = shared_from_this(), h](std::error_code rec) {
+      if (self->closed_) return;
+      // The bytes placed are checked while still pinned, as one run.
+      bool bad = false;
+      if (!rec && (h.flags & frame_flag_checksum) != 0) {
+        std::uint32_t crc = 0;
+        for (const auto& p : self->spans_) crc = crc32c(p.data, p.length, crc);
+        bad = crc != h.checksum;
+      }
+      self->placed(h, rec, bad);
+    });
+  }
+
+  // Reads the payload of a vector WRITE into spans_: what the read-ahead
+  // holds is copied, the rest received straight into the pieces in one
+  // scatter read. done(ec) runs as read_exact's does.
+  template <class Done>
+  void read_scattered(Done done) {
+    std::size_t i = 0;
+    std::size_t part = 0;  // bytes of spans_[i] already placed
+    while (i < spans_.size() && ahead_end_ > ahead_pos_) {
+      const std::size_t n = std::min(spans_[i].length - part, ahead_end_ - ahead_pos_);
+      std::memcpy(spans_[i].data + part, ahead_.data() + ahead_pos_, n);
+      ahead_pos_ += n;
+      part += n;
+      if (part == spans_[i].length) {
+        ++i;
+        part = 0;
+      }
+    }
+    if (i == spans_.size()) {
+      done(std::error_code{});
+      return;
+    }
+    scatter_.clear();
+    scatter_.emplace_back(spans_[i].data + part, spans_[i].length - part);
+    for (++i; i < spans_.size(); ++i) scatter_.emplace_back(spans_[i].data, spans_[i].length);
+    asio::async_read(
+        socket_, scatter_,
+        [done = std::move(done)](std::error_code ec, std::size_t) mutable { done(ec); });
+  }
+
+  // Answers a vector READ whose pieces (spans_) passed: one header, the
+  // pieces sent straight from the segment, pinned until written.
+  void respond_pieces(const frame_header& req, segment_id seg) {
+    frame_header h;
+    h.type = frame_type::read_response;
+    h.tag = req.tag;
+    h.segment = req.segment;
+    h.offset = req.offset;
+    h.length = req.length;
+    response r{{}, nullptr, h.length, seg, true, nullptr, {}};
+    r.pieces.reserve(spans_.size());
+    std::uint32_t crc = 0;
+    for (const auto& p : spans_) {
+      r.pieces.emplace_back(p.data, p.length);
+      if ((req.flags & frame_flag_checksum) != 0) crc = crc32c(p.data, p.length, crc);
+    }
+    if ((req.flags & frame_flag_checksum) != 0) {
+      h.flags = frame_flag_checksum;
+      h.checksum = crc;
+    }
+    r.header = encode(h);
+    out_.push_back(std::move(r));
+    send_or_defer(req.length);
   }
 
   // ------------------------------------------------------------ staging
@@ -416,7 +570,7 @@ class lane_server : public std::enable_shared_from_this<lane_server> {
       return;
     }
     const auto& h = st->req;
-    out_.push_back(response{{}, nullptr, 0, segment_id{}, false, st});
+    out_.push_back(response{{}, nullptr, 0, segment_id{}, false, st, {}});
     // Checked in the chunk: a corrupted payload never reaches the device.
     if ((h.flags & frame_flag_checksum) != 0 &&
         crc32c(st->chunk, static_cast<std::size_t>(h.length)) != h.checksum) {
@@ -451,7 +605,7 @@ class lane_server : public std::enable_shared_from_this<lane_server> {
   // from the chunk.
   void read_staged(const frame_header& h, std::int32_t device, std::byte* src) {
     auto st = make_staged(h, device, src);
-    out_.push_back(response{{}, nullptr, 0, segment_id{}, false, st});
+    out_.push_back(response{{}, nullptr, 0, segment_id{}, false, st, {}});
     if (st->oversize) stalled_ = true;  // until its response is written
     with_chunk(st, [self = shared_from_this(), st](bool ok) { self->on_read_chunk(st, ok); });
   }
@@ -535,7 +689,12 @@ class lane_server : public std::enable_shared_from_this<lane_server> {
   void respond(frame_type type, const frame_header& req, std::error_code status,
                const std::byte* payload, segment_id seg, bool pinned) {
     const auto h = response_header(type, req, status, payload);
-    out_.push_back(response{encode(h), payload, h.length, seg, pinned, nullptr});
+    out_.push_back(response{encode(h), payload, h.length, seg, pinned, nullptr, {}});
+    send_or_defer(req.length);
+  }
+
+  // Writes the responses queued, or puts that off while more requests wait.
+  void send_or_defer(std::uint64_t length) {
     // After a small frame, when the next request is already waiting in the
     // socket, answer it together with this one: one send for a run of small
     // frames instead of one each. The read loop is about to take that
@@ -543,7 +702,7 @@ class lane_server : public std::enable_shared_from_this<lane_server> {
     // max_deferred_responses. Large frames are answered at once: their
     // answer costs little next to their payload, and delaying it would delay
     // the initiator by a whole frame.
-    if (!writing_ && out_.size() < max_deferred_responses && req.length <= max_deferred_payload) {
+    if (!writing_ && out_.size() < max_deferred_responses && length <= max_deferred_payload) {
       // The read-ahead holding the next header is enough (no ioctl).
       if (ahead_end_ - ahead_pos_ >= frame_header_size) return;
       std::error_code ec;
@@ -558,7 +717,9 @@ class lane_server : public std::enable_shared_from_this<lane_server> {
     batch_ = 0;
     // In request order: a staged frame whose copy runs holds back the rest.
     for (const auto& r : out_) {
-      if (batch_ == 64) break;
+      if (batch_ == 64 || (batch_ > 0 && bufs_.size() + r.pieces.size() > max_write_buffers)) {
+        break;
+      }
       if (r.st) {
         if (!r.st->ready) break;
         bufs_.emplace_back(r.st->header.data(), r.st->header.size());
@@ -567,7 +728,11 @@ class lane_server : public std::enable_shared_from_this<lane_server> {
         }
       } else {
         bufs_.emplace_back(r.header.data(), r.header.size());
-        if (r.length > 0) bufs_.emplace_back(r.payload, static_cast<std::size_t>(r.length));
+        if (!r.pieces.empty()) {
+          bufs_.insert(bufs_.end(), r.pieces.begin(), r.pieces.end());
+        } else if (r.length > 0) {
+          bufs_.emplace_back(r.payload, static_cast<std::size_t>(r.length));
+        }
       }
       ++batch_;
     }
@@ -621,6 +786,10 @@ class lane_server : public std::enable_shared_from_this<lane_server> {
   std::size_t batch_ = 0;
   std::vector<std::byte> scratch_;
   std::uint64_t drain_left_ = 0;
+  std::vector<std::byte> table_;  // a vector frame's piece table, max_table bytes
+  std::array<frame_piece, max_vector_pieces> pieces_{};
+  std::vector<span> spans_;                    // its pieces, checked
+  std::vector<asio::mutable_buffer> scatter_;  // the part of them a receive fills
   segment_id pinned_read_segment_{};
   std::shared_ptr<staged> incoming_;  // a staged WRITE whose payload is being read
   bool pinned_read_ = false;

@@ -19,6 +19,7 @@
 #include <kvlink/tcp/lane_server.hpp>
 #include <kvlink/transport/transport.hpp>
 
+#include <algorithm>
 #include <array>
 #include <deque>
 #include <functional>
@@ -258,7 +259,34 @@ class transport final : public kvlink::transport, public std::enable_shared_from
     }
   }
 
-  nlohmann::json describe() const override { return {{"lanes", cfg_.lanes}}; }
+  /// Bytes one vector frame may carry at most (and never more than a
+  /// target takes in a frame).
+  static constexpr std::uint64_t max_vector_bytes = 1u << 20;
+
+  nlohmann::json describe() const override {
+    nlohmann::json d{{"lanes", cfg_.lanes}};
+    if (cfg_.vector_pieces > 1) {
+      d["vector"] = cfg_.vector_pieces;
+      d["vector_bytes"] = std::min(max_vector_bytes, cfg_.max_frame_payload);
+    }
+    return d;
+  }
+
+  /// What a peer's tcp entry says it takes in vector frames, within what
+  /// this engine sends (none from a peer that does not say).
+  vector_limits peer_vectors(const nlohmann::json& entry) const {
+    vector_limits v;
+    const auto pieces = entry.find("vector");
+    const auto bytes = entry.find("vector_bytes");
+    if (cfg_.vector_pieces < 2 || pieces == entry.end() || bytes == entry.end() ||
+        !pieces->is_number_unsigned() || !bytes->is_number_unsigned()) {
+      return v;
+    }
+    v.pieces = static_cast<std::size_t>(std::min<std::uint64_t>(
+        {pieces->get<std::uint64_t>(), cfg_.vector_pieces, max_vector_pieces}));
+    v.bytes = std::min(bytes->get<std::uint64_t>(), max_vector_bytes);
+    return v;
+  }
 
   bool reachable(const nlohmann::json& entry, std::string& why) const override {
     if (!entry.is_object()) {
@@ -279,14 +307,15 @@ class transport final : public kvlink::transport, public std::enable_shared_from
     auto lane_failed = [fail_once, ex = env_.executor](std::error_code ec) {
       asio::post(ex, [fail_once, ec] { fail_once(ec); });
     };
+    const auto vectors = ctx.entry.is_object() ? peer_vectors(ctx.entry) : vector_limits{};
     auto dial = [w = weak_from_this(), endpoint = ctx.endpoint, peer = ctx.peer,
-                 session = ctx.session,
-                 lane_failed](std::uint32_t i, lane::broken_fn on_broken,
-                              std::shared_ptr<lane>& l) -> asio::awaitable<std::error_code> {
+                 session = ctx.session, lane_failed,
+                 vectors](std::uint32_t i, lane::broken_fn on_broken,
+                          std::shared_ptr<lane>& l) -> asio::awaitable<std::error_code> {
       auto self = w.lock();
       if (!self) co_return errc::cancelled;
       co_return co_await self->dial_lane(endpoint, peer, session, i, lane_failed,
-                                         std::move(on_broken), l);
+                                         std::move(on_broken), vectors, l);
     };
     auto p = std::make_shared<path>(env_.executor, *env_.host, std::move(dial), fail_once);
     if (auto ec = co_await p->open(cfg_.lanes)) co_return ec;
@@ -327,7 +356,7 @@ class transport final : public kvlink::transport, public std::enable_shared_from
   asio::awaitable<std::error_code> dial_lane(asio::ip::tcp::endpoint endpoint, instance_id peer,
                                              control::session_keys session, std::uint32_t i,
                                              std::function<void(std::error_code)> on_failure,
-                                             lane::broken_fn on_broken,
+                                             lane::broken_fn on_broken, vector_limits vectors,
                                              std::shared_ptr<lane>& out) {
     asio::ip::tcp::socket s(env_.io_strand());  // the lane's own strand
     nlohmann::json welcome;
@@ -345,7 +374,7 @@ class transport final : public kvlink::transport, public std::enable_shared_from
       co_return ec;
     }
     out = std::make_shared<lane>(std::move(s), *env_.host, cfg_.max_inflight_per_lane,
-                                 std::move(on_failure), std::move(on_broken));
+                                 std::move(on_failure), std::move(on_broken), vectors);
     co_return std::error_code{};
   }
 

@@ -183,6 +183,47 @@ TEST_CASE("device memory: one batch mixing host and device on both sides") {
         std::vector<std::byte>(d.begin(), d.begin() + (2 << 20)));
 }
 
+TEST_CASE("device memory: many small scattered pieces into and out of a device segment") {
+  // Over TCP they would share vector frames, which a device segment refuses
+  // (device_error): the lane sends them again one frame each, staged, and
+  // no longer vectors to that segment.
+  auto rt = runtime();
+  const std::size_t n = 4u << 20;
+  const std::size_t piece = 4096;
+  const std::size_t count = 300;
+  device_rig r{n, true, false};
+  std::vector<std::size_t> slots(count);
+  for (std::size_t i = 0; i < count; ++i) slots[i] = (i * 97) % count;
+  const auto w = random_bytes(count * piece, 21);
+  r.local.write(0, w.data(), w.size());
+  std::vector<kvlink::transfer_request> writes, reads;
+  for (std::size_t i = 0; i < count; ++i) {
+    writes.push_back({opcode::write, r.local.data() + i * piece, r.seg(), slots[i] * 2 * piece + 3,
+                      piece - (i % 3)});
+    reads.push_back({opcode::read, r.local.data() + (2u << 20) + i * piece, r.seg(),
+                     slots[i] * 2 * piece + 3, piece - (i % 3)});
+  }
+  for (int round = 0; round < 2; ++round) {  // the second after the lane stopped vectoring
+    CAPTURE(round);
+    auto o = r.run(writes);
+    REQUIRE_MESSAGE(!o.ec, o.ec.message());
+    for (std::size_t i = 0; i < count; ++i) {
+      const auto len = piece - (i % 3);
+      REQUIRE(r.remote.read(slots[i] * 2 * piece + 3, len) ==
+              std::vector<std::byte>(w.begin() + static_cast<std::ptrdiff_t>(i * piece),
+                                     w.begin() + static_cast<std::ptrdiff_t>(i * piece + len)));
+    }
+    o = r.run(reads);
+    REQUIRE_MESSAGE(!o.ec, o.ec.message());
+    for (std::size_t i = 0; i < count; ++i) {
+      const auto len = piece - (i % 3);
+      REQUIRE(r.local.read((2u << 20) + i * piece, len) ==
+              std::vector<std::byte>(w.begin() + static_cast<std::ptrdiff_t>(i * piece),
+                                     w.begin() + static_cast<std::ptrdiff_t>(i * piece + len)));
+    }
+  }
+}
+
 TEST_CASE("device memory: slices of device requests: shm plans large ones, TCP the configured") {
   auto rt = runtime();
   const std::size_t n = 24u << 20;
