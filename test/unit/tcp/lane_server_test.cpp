@@ -457,7 +457,7 @@ TEST_CASE("lane_server: vector frames place every piece and READ them back in on
 
 TEST_CASE("lane_server: a vector frame with a piece that fails is refused whole, nothing touched") {
   server_rig r{true, 1u << 20};
-  const auto source = pattern(1u << 20, 5);
+  const auto source = pattern(2u << 20, 5);  // past the segment: the bad piece has bytes
   const std::vector<kvlink::tcp::frame_piece> bad{{0, 4096}, {8192, 4096}, {(1u << 20) - 10, 20}};
   const std::vector<kvlink::tcp::frame_piece> good{{0, 4096}, {8192, 4096}};
   const auto before = r.host_memory;
