@@ -9,13 +9,21 @@
 //                   must live in such segments);
 //  - cma_write:     process_vm_writev into a child process's private
 //                   memory (cross-memory attach: what kvlink's shm does);
-//  - cma_read:      process_vm_readv from it.
+//  - cma_read:      process_vm_readv from it;
+//  - *_pieces:      the same bytes as 4 KiB pieces whose destinations (or
+//                   sources, for cma_read) lie 8 KiB apart, so nothing is
+//                   contiguous (tensor parallelism's case, issue 25):
+//                   memcpy piece by piece, and cross-memory attach with as
+//                   many pieces per call as the kernel takes (IOV_MAX),
+//                   which is what kvlink's shm lanes do. Their ratio is
+//                   the kernel's own price of a scattered piece.
 //
 // Sizes 64 KiB .. 256 MiB; the destination is touched first (no page
 // faults in the timing). Bytes/s in the output: Google Benchmark's
 // "bytes_per_second" (printed in binary units, e.g. 9.1G/s = 9.1 GiB/s).
 //   <build>/bench/kvlink_same_host_bench --benchmark_min_time=0.5
 #include <algorithm>
+#include <climits>
 #include <csignal>
 #include <cstddef>
 #include <cstdint>
@@ -121,6 +129,46 @@ void cma(benchmark::State& state, bool write) {
 void bm_cma_write(benchmark::State& state) { cma(state, true); }
 void bm_cma_read(benchmark::State& state) { cma(state, false); }
 
+constexpr std::size_t piece = 4096;
+
+void bm_memcpy_pieces(benchmark::State& state) {
+  const auto n = static_cast<std::size_t>(state.range(0));
+  static std::vector<std::byte> dst(max_size, std::byte{4});
+  for (auto _ : state) {
+    for (std::size_t i = 0; i < n / piece; ++i) {
+      std::memcpy(dst.data() + 2 * i * piece, source().data() + i * piece, piece);
+    }
+    benchmark::ClobberMemory();
+  }
+  state.SetBytesProcessed(static_cast<std::int64_t>(state.iterations() * n));
+}
+
+void cma_pieces(benchmark::State& state, bool write) {
+  const auto n = static_cast<std::size_t>(state.range(0));
+  auto& c = child();
+  std::vector<iovec> local(n / piece), remote(n / piece);
+  for (std::size_t i = 0; i < n / piece; ++i) {
+    local[i] = iovec{source().data() + i * piece, piece};
+    remote[i] = iovec{c.remote.data() + 2 * i * piece, piece};
+  }
+  const auto per_call = static_cast<std::size_t>(IOV_MAX);
+  for (auto _ : state) {
+    for (std::size_t i = 0; i < local.size(); i += per_call) {
+      const auto k = std::min(per_call, local.size() - i);
+      const ssize_t got = write ? ::process_vm_writev(c.pid, &local[i], k, &remote[i], k, 0)
+                                : ::process_vm_readv(c.pid, &local[i], k, &remote[i], k, 0);
+      if (got != static_cast<ssize_t>(k * piece)) {
+        state.SkipWithError("process_vm_*: refused or partial (ptrace permission?)");
+        return;
+      }
+    }
+  }
+  state.SetBytesProcessed(static_cast<std::int64_t>(state.iterations() * n));
+}
+
+void bm_cma_write_pieces(benchmark::State& state) { cma_pieces(state, true); }
+void bm_cma_read_pieces(benchmark::State& state) { cma_pieces(state, false); }
+
 void sizes(benchmark::internal::Benchmark* b) {
   for (std::int64_t s = 64 << 10; s <= static_cast<std::int64_t>(max_size); s *= 4) b->Arg(s);
 }
@@ -129,6 +177,10 @@ BENCHMARK(bm_memcpy)->Apply(sizes);
 BENCHMARK(bm_memfd_put)->Apply(sizes);
 BENCHMARK(bm_cma_write)->Apply(sizes);
 BENCHMARK(bm_cma_read)->Apply(sizes);
+// Scattered pieces take twice their bytes of destination: up to half the buffers.
+BENCHMARK(bm_memcpy_pieces)->Arg(1 << 20)->Arg(16 << 20)->Arg(64 << 20);
+BENCHMARK(bm_cma_write_pieces)->Arg(1 << 20)->Arg(16 << 20)->Arg(64 << 20);
+BENCHMARK(bm_cma_read_pieces)->Arg(1 << 20)->Arg(16 << 20)->Arg(64 << 20);
 
 }  // namespace
 

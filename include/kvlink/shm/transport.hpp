@@ -190,15 +190,24 @@ class lane : public std::enable_shared_from_this<lane> {
     done.reserve(batch.size());
     std::vector<std::size_t> on_device;
     std::size_t i = 0;
+    // Whether the peer's process exited is looked at (a poll(), a system
+    // call) before each cross-memory run and device slice, and before every
+    // max_copy bytes copied through a mapping, not before each of those
+    // slices: small ones paid a system call each.
+    std::uint64_t unwatched = max_copy_;
     while (i < batch.size()) {
       if (peer_->failed.load(std::memory_order_acquire)) {
         const std::error_code ec = static_cast<errc>(peer_->failure.load());
         for (; i < batch.size(); ++i) done.push_back({batch[i].s.op, 0, ec});
         break;  // device slices set aside before this are refused in start_device
       }
-      if (peer_->watch.exited()) {
-        fatal(errc::peer_closed);
-        continue;  // reported above, as failed
+      const bool mapped = batch[i].map && !batch[i].on_device();
+      if (!mapped || unwatched >= max_copy_) {
+        unwatched = 0;
+        if (peer_->watch.exited()) {
+          fatal(errc::peer_closed);
+          continue;  // reported above, as failed
+        }
       }
       if (batch[i].on_device()) {
         on_device.push_back(i++);
@@ -219,6 +228,7 @@ class lane : public std::enable_shared_from_this<lane> {
           off += n;
         }
         done.push_back({s.op, off, off == s.length ? std::error_code{} : errc::cancelled});
+        unwatched += off;
         ++i;
         continue;
       }
