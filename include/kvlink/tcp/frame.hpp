@@ -21,7 +21,8 @@
 // least 1 and summing to `length`; then, for write_vector, the pieces'
 // payloads back to back in table order. The answer is one write_ack or one
 // read_response (its payload the pieces back to back) for the whole frame,
-// its status the first check that failed; a refused frame touched nothing.
+// its status the first check that failed (a frame refused by a check
+// touched no memory; one with a bad checksum was placed, never acknowledged).
 // A peer sends them only to a target that advertised them (its tcp
 // descriptor entry: "vector", the most pieces a frame may carry), so the
 // version stays 2: older targets never see one.
@@ -128,7 +129,8 @@ constexpr frame_bytes encode(const frame_header& h) noexcept {
 
 /// Parses a header. A wrong magic, an unknown version or type gives
 /// errc::malformed_message (errc::protocol_version_mismatch for the version;
-/// flags this version does not know are malformed too):
+/// flags this version does not know, and a vector frame's piece count outside
+/// 1..max_vector_pieces or above its length, are malformed too):
 /// the stream cannot be trusted any more and the connection must close.
 /// Semantic checks (segment, bounds, access) are the receiver's business.
 inline std::error_code decode(const std::byte* in, frame_header& h) noexcept {
