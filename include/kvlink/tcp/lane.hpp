@@ -209,41 +209,32 @@ class lane final : public std::enable_shared_from_this<lane> {
       s.tag = next_tag_++;
       inflight_.push_back(s);
       const std::size_t count = again ? 1 : gather(s);
-      sent_frame f{s.tag, count, s.length, s.kind, s.checksum};
+      sent_frame f{s.tag, count, 0, s.kind, s.checksum};
       frame_header h;
       h.tag = s.tag;
       h.segment = s.segment;
-      if (count == 1) {
-        h.type = s.kind == opcode::write ? frame_type::write_request : frame_type::read_request;
-        h.offset = s.offset;
-        h.length = s.length;
-      } else {
-        h.type = s.kind == opcode::write ? frame_type::write_vector : frame_type::read_vector;
-        h.offset = count;
-      }
+      h.type =
+          count == 1
+              ? (s.kind == opcode::write ? frame_type::write_request : frame_type::read_request)
+              : (s.kind == opcode::write ? frame_type::write_vector : frame_type::read_vector);
+      h.offset = count == 1 ? s.offset : count;
       send_headers_.emplace_back();
       send_bufs_.emplace_back(send_headers_.back().data(), frame_header_size);
-      if (count > 1) {
-        // The piece table, in the lane's storage for this write.
-        std::byte* table = send_tables_[tables].data();
-        ++tables;
-        f.length = 0;
-        for (std::size_t i = inflight_.size() - count; i < inflight_.size(); ++i) {
-          encode(frame_piece{inflight_[i].offset, inflight_[i].length},
-                 table + (i - (inflight_.size() - count)) * piece_entry_size);
-          f.length += inflight_[i].length;
-        }
-        send_bufs_.emplace_back(table, count * piece_entry_size);
-        h.length = f.length;
-      }
+      // A vector's piece table (in the lane's storage for this write), then
+      // the payloads; filled in one pass over the frame's slices.
+      std::byte* table = count == 1 ? nullptr : send_tables_[tables++].data();
+      if (table != nullptr) send_bufs_.emplace_back(table, count * piece_entry_size);
       std::uint32_t crc = 0;
-      for (std::size_t i = inflight_.size() - count; i < inflight_.size(); ++i) {
-        const auto& p = inflight_[i];
+      for (std::size_t k = 0; k < count; ++k) {
+        const auto& p = inflight_[inflight_.size() - count + k];
+        if (table != nullptr) encode(frame_piece{p.offset, p.length}, table + k * piece_entry_size);
+        f.length += p.length;
         if (p.kind != opcode::write) continue;
         if (p.checksum) crc = crc32c(p.local, static_cast<std::size_t>(p.length), crc);
         send_bufs_.emplace_back(p.local, static_cast<std::size_t>(p.length));
         bytes += p.length;
       }
+      h.length = f.length;
       if (s.checksum) {
         h.flags = frame_flag_checksum;
         h.checksum = crc;  // WRITE: its payload's; READ: asked for

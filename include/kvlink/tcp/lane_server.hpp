@@ -66,6 +66,7 @@
 #include <deque>
 #include <exception>
 #include <memory>
+#include <span>
 #include <vector>
 
 #include <asio/buffer.hpp>
@@ -445,24 +446,10 @@ class lane_server : public std::enable_shared_from_this<lane_server> {
   // Answers a vector READ whose pieces (spans_) passed: one header, the
   // pieces sent straight from the segment, pinned until written.
   void respond_pieces(const frame_header& req, segment_id seg) {
-    frame_header h;
-    h.type = frame_type::read_response;
-    h.tag = req.tag;
-    h.segment = req.segment;
-    h.offset = req.offset;
-    h.length = req.length;
-    response r{{}, nullptr, h.length, seg, true, nullptr, {}};
+    response r{{}, nullptr, req.length, seg, true, nullptr, {}};
     r.pieces.reserve(spans_.size());
-    std::uint32_t crc = 0;
-    for (const auto& p : spans_) {
-      r.pieces.emplace_back(p.data, p.length);
-      if ((req.flags & frame_flag_checksum) != 0) crc = crc32c(p.data, p.length, crc);
-    }
-    if ((req.flags & frame_flag_checksum) != 0) {
-      h.flags = frame_flag_checksum;
-      h.checksum = crc;
-    }
-    r.header = encode(h);
+    for (const auto& p : spans_) r.pieces.emplace_back(p.data, p.length);
+    r.header = encode(response_header(frame_type::read_response, req, {}, r.pieces));
     out_.push_back(std::move(r));
     send_or_defer(req.length);
   }
@@ -668,10 +655,11 @@ class lane_server : public std::enable_shared_from_this<lane_server> {
     });
   }
 
-  // The response to `req`; a READ's payload (checksummed when asked) is at
-  // `payload`.
+  // The response to `req`; a READ's payload (checksummed when asked) is
+  // `payload`, its buffers in order.
   static frame_header response_header(frame_type type, const frame_header& req,
-                                      std::error_code status, const std::byte* payload) {
+                                      std::error_code status,
+                                      std::span<const asio::const_buffer> payload) {
     frame_header h;
     h.type = type;
     h.tag = req.tag;
@@ -681,9 +669,16 @@ class lane_server : public std::enable_shared_from_this<lane_server> {
     h.length = (type == frame_type::read_response && !status) ? req.length : 0;
     if (type == frame_type::read_response && !status && (req.flags & frame_flag_checksum) != 0) {
       h.flags = frame_flag_checksum;
-      h.checksum = crc32c(payload, static_cast<std::size_t>(h.length));
+      for (const auto& b : payload) h.checksum = crc32c(b.data(), b.size(), h.checksum);
     }
     return h;
+  }
+
+  // ... with one run of `req.length` bytes at `payload`.
+  static frame_header response_header(frame_type type, const frame_header& req,
+                                      std::error_code status, const std::byte* payload) {
+    const asio::const_buffer one(payload, static_cast<std::size_t>(req.length));
+    return response_header(type, req, status, std::span(&one, 1));
   }
 
   void respond(frame_type type, const frame_header& req, std::error_code status,
