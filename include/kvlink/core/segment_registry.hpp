@@ -290,6 +290,18 @@ class remote_segment_cache {
     return *s;
   }
 
+  /// The length and access of a cached segment, without copying its keys
+  /// (the initiator's per-request check); false when it is not cached.
+  bool limits(const instance_id& inst, segment_id id, std::uint64_t& length,
+              access& granted) const {
+    std::shared_lock lock{mutex_};
+    const remote_segment_info* s = find_locked(inst, id);
+    if (s == nullptr) return false;
+    length = s->length;
+    granted = s->granted;
+    return true;
+  }
+
   /// Initiator-side pre-check, same rules and order as
   /// segment_registry::check_remote_access: not_registered (unknown instance
   /// or id), out_of_bounds (overflow-safe), access_denied.

@@ -344,7 +344,7 @@ TEST_CASE("concurrent add/remove/find leaves a consistent registry") {
   CHECK(all_ids.rbegin()->value() == static_cast<std::uint64_t>(1 + threads * per_thread));
 }
 
-TEST_CASE("remote_segment_cache: put, get, erase, drop_instance, check") {
+TEST_CASE("remote_segment_cache: put, get, erase, drop_instance, check, limits") {
   kvlink::remote_segment_cache cache;
   const kvlink::instance_id p1{1, 1}, p2{2, 2};
   CHECK(cache.size() == 0);
@@ -389,6 +389,19 @@ TEST_CASE("remote_segment_cache: put, get, erase, drop_instance, check") {
   CHECK(cache.check(p1, segment_id{3}, 0, 1, access::remote_write) == errc::not_registered);
   CHECK(cache.check(kvlink::instance_id{9, 9}, segment_id{2}, 0, 1, access::remote_write) ==
         errc::not_registered);
+
+  // limits: length and access only, of the entry of that instance.
+  std::uint64_t length = 0;
+  kvlink::access granted = access::none;
+  CHECK(cache.limits(p1, segment_id{2}, length, granted));
+  CHECK(length == 0x1000);
+  CHECK(granted == access::remote_write);
+  CHECK(cache.limits(p2, segment_id{1}, length, granted));
+  CHECK(length == 0x800);
+  CHECK(granted == access::remote_read_write);
+  CHECK_FALSE(cache.limits(p2, segment_id{2}, length, granted));
+  CHECK_FALSE(cache.limits(kvlink::instance_id{9, 9}, segment_id{1}, length, granted));
+  CHECK(length == 0x800);  // untouched when not cached
 
   // Erase.
   CHECK(cache.erase(p1, segment_id{2}));

@@ -302,6 +302,88 @@ TEST_CASE("request errors are reported and move nothing") {
   CHECK(r.remote_mem == remote_before);
 }
 
+// The engine looks a batch's local segment, peer and remote segment up once
+// per run of equal ones: a request that leaves the run (another segment,
+// another peer whose segment has the same id, a range past the end of the
+// segment the run was in) is checked against its own.
+TEST_CASE("a batch alternating segments and peers: each request checked against its own") {
+  pair_rig r;
+  std::vector<std::byte> local2(64 << 10);
+  r.initiator.register_segment(local2.data(), local2.size());
+  std::vector<std::byte> readonly(64 << 10);
+  const auto ro_id =
+      r.target->register_segment(readonly.data(), readonly.size(), kvlink::access::remote_read);
+  REQUIRE(run_until(r.io, [&] { return r.peer.segments().size() == 2; }));
+  kvlink::tcp_engine other{r.io.get_executor(), test_config()};
+  std::vector<std::byte> other_mem(64 << 10);
+  const auto other_id =
+      other.register_segment(other_mem.data(), other_mem.size(), kvlink::access::remote_read_write);
+  REQUIRE(other_id == r.remote_seg);  // the same id on both peers: only the peer tells them apart
+  const auto peer2 = r.connect(other.local_address());
+  const kvlink::remote_segment ro = r.peer.segment(ro_id);
+  const kvlink::remote_segment big = r.peer.segment(0);
+  const kvlink::remote_segment small = peer2.segment(0);
+
+  fill(r.local_mem, 41);
+  fill(local2, 42);
+  fill(readonly, 43);
+  fill(r.remote_mem, 44);
+  fill(other_mem, 45);
+  // 4 KiB pieces: WRITE local_mem -> big, WRITE local2 -> small (other
+  // peer), READ ro -> local_mem, in turn, 16 of each.
+  std::vector<kvlink::transfer_request> reqs;
+  for (std::size_t i = 0; i < 16; ++i) {
+    reqs.push_back({opcode::write, r.local_mem.data() + i * 4096, big, i * 8192, 4096});
+    reqs.push_back({opcode::write, local2.data() + i * 4096, small, (15 - i) * 4096, 4096});
+    reqs.push_back({opcode::read, r.local_mem.data() + (512 << 10) + i * 4096, ro, i * 4096, 4096});
+  }
+  auto out = r.run(reqs);
+  REQUIRE_MESSAGE(!out.ec, out.ec.message());
+  CHECK(out.result.bytes == reqs.size() * 4096);
+  for (std::size_t i = 0; i < 16; ++i) {
+    CHECK(std::memcmp(r.remote_mem.data() + i * 8192, r.local_mem.data() + i * 4096, 4096) == 0);
+    CHECK(std::memcmp(other_mem.data() + (15 - i) * 4096, local2.data() + i * 4096, 4096) == 0);
+    CHECK(std::memcmp(r.local_mem.data() + (512 << 10) + i * 4096, readonly.data() + i * 4096,
+                      4096) == 0);
+  }
+
+  const auto local_before = r.local_mem;
+  const auto local2_before = local2;
+  const auto remote_before = r.remote_mem;
+  const auto other_before = other_mem;
+  // The good batch with `bad` inserted after reqs[at - 1]: reqs[3i] writes
+  // to `big`, reqs[3i + 1] from local2 to `small`, reqs[3i + 2] reads `ro`.
+  const auto refused = [&](std::size_t at, kvlink::transfer_request bad) {
+    auto batch = reqs;
+    batch.insert(batch.begin() + static_cast<std::ptrdiff_t>(at), bad);
+    return r.run(batch);
+  };
+  SUBCASE("an offset inside the first peer's segment but past the end of the second's") {
+    // After a WRITE to `big`, which has the same id and is 1 MiB long.
+    auto bad = refused(31, {opcode::write, local2.data(), small, 64 << 10, 4096});
+    CHECK(bad.ec == kvlink::errc::out_of_bounds);
+    CHECK(bad.result.bytes == 0);
+  }
+  SUBCASE("a WRITE into the read-only segment after READs from it") {
+    auto bad = refused(33, {opcode::write, r.local_mem.data() + (768 << 10), ro, 60 << 10, 4096});
+    CHECK(bad.ec == kvlink::errc::access_denied);
+  }
+  SUBCASE("a local range that starts in the second local segment and runs past its end") {
+    auto bad =
+        refused(32, {opcode::write, local2.data() + local2.size() - 100, big, 900 << 10, 4096});
+    CHECK(bad.ec == kvlink::errc::out_of_bounds);
+  }
+  SUBCASE("a request to a peer that is not connected") {
+    auto bad = refused(31, {opcode::write, r.local_mem.data() + (768 << 10),
+                            kvlink::remote_segment{kvlink::peer_id{999}, r.remote_seg}, 0, 4096});
+    CHECK(bad.ec == kvlink::errc::unknown_peer);
+  }
+  CHECK(r.local_mem == local_before);
+  CHECK(local2 == local2_before);
+  CHECK(r.remote_mem == remote_before);
+  CHECK(other_mem == other_before);
+}
+
 TEST_CASE(
     "segments registered after the handshake reach the peer; unregistration waits and refuses") {
   pair_rig r;
