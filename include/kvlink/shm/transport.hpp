@@ -39,6 +39,16 @@
 // The target's session closing (the peer died) releases its leases. A peer
 // that keeps a lease past fence_timeout is disconnected (transport::revoke).
 //
+// The peer's exit: the path watches its pidfd through the reactor and fails
+// with peer_closed when the process exits; lanes look at that before each
+// slice. A cross-memory call names the peer by its PID, so a lane also
+// polls the pidfd itself before each one (a PID reused after the peer died
+// must never receive its bytes); copies through a mapping need no poll.
+//
+// Small batches (host memory only, at most `inline_copy` bytes for a lane)
+// are copied on the engine's strand when the path is pumped: the hop to a
+// lane's strand and back cost more than the copy of a few 4 KiB pieces.
+//
 // Trust: a process that may attach to ours could read and write all of our
 // memory anyway (the kernel's ptrace rule); the bounds, access and lease
 // rules are what keep an honest peer's copies inside registered memory.
@@ -79,6 +89,7 @@
 
 #include <asio/any_io_executor.hpp>
 #include <asio/awaitable.hpp>
+#include <asio/posix/stream_descriptor.hpp>
 #include <asio/post.hpp>
 #include <fcntl.h>
 #include <nlohmann/json.hpp>
@@ -157,6 +168,11 @@ inline std::uint64_t device_copy_window(const device_runtime* rt, bool between_d
 /// so that a run's slices meet in one lane.
 inline constexpr std::uint64_t device_copy_run = 64u << 20;
 
+/// A lane's batch of at most this many bytes, all of host memory, is copied
+/// on the engine's strand where the path is pumped instead of on the lane's
+/// (16 pieces of 4 KiB: tensor parallelism's single requests).
+inline constexpr std::uint64_t inline_copy = 64u << 10;
+
 /// A copy lane: runs the batches its path hands it on a strand of its own,
 /// one process_vm_{read,write}v per run of up to IOV_MAX slices of one
 /// direction and at most `max_copy` bytes (a larger slice takes several
@@ -184,41 +200,39 @@ class lane : public std::enable_shared_from_this<lane> {
 
   const asio::any_io_executor& get_executor() const noexcept { return ex_; }
 
-  /// On the lane's strand.
+  /// On the lane's strand; a batch with no device slice touches no state
+  /// of the lane, and may run on any strand (the path's inline copies).
   void run(const std::vector<copy_item>& batch) {
     std::vector<slice_report> done;
     done.reserve(batch.size());
     std::vector<std::size_t> on_device;
     std::size_t i = 0;
-    // Whether the peer's process exited is looked at (a poll(), a system
-    // call) before each cross-memory run and device slice, and before every
-    // max_copy bytes copied through a mapping, not before each of those
-    // slices: small ones paid a system call each.
-    std::uint64_t unwatched = max_copy_;
     while (i < batch.size()) {
       if (peer_->failed.load(std::memory_order_acquire)) {
         const std::error_code ec = static_cast<errc>(peer_->failure.load());
         for (; i < batch.size(); ++i) done.push_back({batch[i].s.op, 0, ec});
         break;  // device slices set aside before this are refused in start_device
       }
+      // Whether the peer's process exited is polled (a system call) before
+      // each cross-memory run and device slice; copies through a mapping
+      // rely on the path's watch, which sets peer_->failed.
       const bool mapped = batch[i].map && !batch[i].on_device();
-      if (!mapped || unwatched >= max_copy_) {
-        unwatched = 0;
-        if (peer_->watch.exited()) {
-          fatal(errc::peer_closed);
-          continue;  // reported above, as failed
-        }
+      if (!mapped && peer_->watch.exited()) {
+        fatal(errc::peer_closed);
+        continue;  // reported above, as failed
       }
       if (batch[i].on_device()) {
         on_device.push_back(i++);
         continue;
       }
-      if (const auto& m = batch[i].map) {
+      if (mapped) {
         const auto& s = batch[i].s;
-        // In pieces of max_copy: a transfer stopped meanwhile copies no more.
-        std::byte* there = m->segment() + s.offset;
+        // In pieces of max_copy: a transfer stopped meanwhile, or a peer
+        // that exited, gets no more.
+        std::byte* there = batch[i].map->segment() + s.offset;
         std::uint64_t off = 0;
-        while (off < s.length && !host_.stopping(s.op)) {
+        while (off < s.length && !host_.stopping(s.op) &&
+               !peer_->failed.load(std::memory_order_acquire)) {
           const auto n = static_cast<std::size_t>(std::min(max_copy_, s.length - off));
           if (s.kind == opcode::read) {
             std::memcpy(s.local + off, there + off, n);
@@ -227,8 +241,12 @@ class lane : public std::enable_shared_from_this<lane> {
           }
           off += n;
         }
-        done.push_back({s.op, off, off == s.length ? std::error_code{} : errc::cancelled});
-        unwatched += off;
+        std::error_code ec;
+        if (off < s.length) {
+          ec = host_.stopping(s.op) ? std::error_code{errc::cancelled}
+                                    : std::error_code{static_cast<errc>(peer_->failure.load())};
+        }
+        done.push_back({s.op, off, ec});
         ++i;
         continue;
       }
@@ -694,6 +712,7 @@ class path final : public data_path, public std::enable_shared_from_this<path> {
     }
     weights_.assign(lanes_.size(), 1.0);
     outbox_.resize(lanes_.size());
+    watch_exit();
   }
 
   std::span<const double> lane_weights() const noexcept override { return weights_; }
@@ -733,11 +752,15 @@ class path final : public data_path, public std::enable_shared_from_this<path> {
       rejects_.clear();
       host_.slices_done(r);
     }
-    for (std::size_t i = 0; i < outbox_.size(); ++i) {
+    for (std::size_t i = 0; i < outbox_.size() && !failed_; ++i) {
       if (outbox_[i].empty()) continue;
       auto batch = std::move(outbox_[i]);
       outbox_[i] = {};
       auto l = lanes_[i];
+      if (copies_here(batch)) {
+        l->run(batch);  // its reports reach the engine before this returns
+        continue;
+      }
       asio::post(l->get_executor(), [l, batch = std::move(batch)] { l->run(batch); });
     }
   }
@@ -773,6 +796,10 @@ class path final : public data_path, public std::enable_shared_from_this<path> {
     failed_ = true;
     failure_ = ec;
     peer_->mark_failed(ec);
+    if (exit_watch_) {
+      std::error_code ignored;
+      exit_watch_->close(ignored);  // its wait ends, aborted
+    }
     std::vector<slice_report> r = std::move(rejects_);
     rejects_.clear();
     for (auto& o : outbox_) {
@@ -820,6 +847,41 @@ class path final : public data_path, public std::enable_shared_from_this<path> {
   };
 
   std::string nonce_text() const { return fmt::format("{:016x}{:016x}", nonce_[0], nonce_[1]); }
+
+  // The peer's pidfd (a copy of it) in the reactor: readable once the
+  // process exited; the path then fails with peer_closed. Without a pidfd
+  // (kernels before 5.3) the control channel closing says it, later. A peer
+  // in this very process (two engines of one program) exits with us: not
+  // watched, so an io_context run to completion still returns.
+  void watch_exit() {
+    if (!peer_->watch.watching() || peer_->pid == static_cast<std::int64_t>(::getpid())) return;
+    const int fd = ::fcntl(peer_->watch.fd(), F_DUPFD_CLOEXEC, 0);
+    if (fd < 0) return;
+    exit_watch_.emplace(ex_);
+    std::error_code ec;
+    exit_watch_->assign(fd, ec);
+    if (ec) {
+      ::close(fd);
+      exit_watch_.reset();
+      return;
+    }
+    exit_watch_->async_wait(asio::posix::stream_descriptor::wait_read,
+                            [w = weak_from_this()](std::error_code wec) {
+                              if (wec) return;
+                              if (auto self = w.lock()) self->fail(errc::peer_closed);
+                            });
+  }
+
+  // A lane's batch copied right here: host memory only, and small.
+  static bool copies_here(const std::vector<copy_item>& batch) {
+    std::uint64_t bytes = 0;
+    for (const auto& c : batch) {
+      if (c.on_device()) return false;
+      bytes += c.s.length;
+      if (bytes > inline_copy) return false;
+    }
+    return true;
+  }
 
   // With a device runtime, its name: the target grants device segments
   // only to a peer that can import them.
@@ -1163,6 +1225,7 @@ class path final : public data_path, public std::enable_shared_from_this<path> {
   bool failed_ = false;
   bool mapping_refused_ = false;
   std::error_code failure_;
+  std::optional<asio::posix::stream_descriptor> exit_watch_;  // last: closed first
 };
 
 class transport final : public kvlink::transport, public std::enable_shared_from_this<transport> {

@@ -223,8 +223,9 @@ struct path_rig {
   std::optional<std::error_code> failed;
   std::shared_ptr<kvlink::shm::path> p;
 
-  /// `device`: device memory through the emulated device (its staging too).
-  explicit path_rig(bool device = false) {
+  /// `device`: device memory through the emulated device (its staging too);
+  /// `pid`: the peer's process (this one unless said).
+  explicit path_rig(bool device = false, std::int64_t pid = ::getpid()) {
     kvlink::path_context ctx;
     ctx.send = [this](json body) { sent.push_back(std::move(body)); };
     ctx.on_failure = [this](std::error_code ec) { failed = ec; };
@@ -234,9 +235,9 @@ struct path_rig {
       dev.staging = std::make_shared<kvlink::staging_pool>(dev.rt, u.io.get_executor(), 64u << 10,
                                                            256u << 10);
     }
-    p = std::make_shared<kvlink::shm::path>(
-        u.io.get_executor(), u.host, std::move(ctx),
-        std::make_shared<kvlink::shm::peer_process_state>(::getpid()), std::move(dev));
+    p = std::make_shared<kvlink::shm::path>(u.io.get_executor(), u.host, std::move(ctx),
+                                            std::make_shared<kvlink::shm::peer_process_state>(pid),
+                                            std::move(dev));
     p->open(2, [this] { return asio::any_io_executor(u.io.get_executor()); });
     p->start();
   }
@@ -309,6 +310,39 @@ TEST_CASE("shm path: a peer process that cannot show the nonce is disconnected")
   unmapped.p->on_message(json{{"op", "proved"}, {"at", 8}});
   REQUIRE(unmapped.failed);
   CHECK(*unmapped.failed == kvlink::errc::authentication_failed);
+}
+
+// Copies through a mapping do not poll the peer's process; the path
+// watches its pidfd in the reactor instead, and fails on its own when the
+// process exits, before any control message says so.
+TEST_CASE("shm path: the peer's process exiting fails the path through its pidfd") {
+  int go[2];
+  REQUIRE(::pipe(go) == 0);
+  const pid_t child = ::fork();
+  REQUIRE(child >= 0);
+  if (child == 0) {
+    char c = 0;
+    (void)!::read(go[0], &c, 1);  // until told, or the parent is gone
+    ::_exit(0);
+  }
+  ::close(go[0]);
+  {
+    path_rig r{false, child};
+    r.u.io.poll();
+    CHECK_FALSE(r.failed.has_value());  // alive: nothing happens
+    REQUIRE(::write(go[1], "x", 1) == 1);
+    REQUIRE(run_until(
+        r.u.io, [&] { return r.failed.has_value(); }, 10s));
+    CHECK(*r.failed == kvlink::errc::peer_closed);
+    std::vector<std::byte> mine(64);
+    r.p->enqueue(0, make_slice(1, opcode::write, mine.data(), 9, 0, mine.size()));
+    r.p->pump();
+    REQUIRE(r.u.host.done.size() == 1);
+    CHECK(r.u.host.done[0].ec == kvlink::errc::peer_closed);
+  }
+  ::close(go[1]);
+  int status = 0;
+  CHECK(::waitpid(child, &status, 0) == child);
 }
 
 TEST_CASE("shm path: slices wait for a lease, copy inside it, and are refused outside it") {
