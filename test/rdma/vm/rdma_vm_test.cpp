@@ -4,7 +4,7 @@
 //   kvlink_rdma_vm_test server        host 1: targets, verifies on request
 //   kvlink_rdma_vm_test client        host 2: runs the scenarios below
 //   kvlink_rdma_vm_test bench-server  host 1: a target for `bench`
-//   kvlink_rdma_vm_test bench SIZES   host 2: kvlink RDMA WRITE GB/s per size
+//   kvlink_rdma_vm_test bench ...     host 2: kvlink RDMA WRITE/READ GB/s per size
 //
 // Addresses come from run-vm.sh (KVLINK_SELF0, KVLINK_PEER0). The server has
 // two engines: an RDMA engine on :17001 and one limited to a device that does
@@ -14,7 +14,9 @@
 // "die". Scenarios (each prints PASS/FAIL; the exit status is the number of
 // failures):
 //   1. the peer uses RDMA; WRITE and READ integrity from 1 B to 8 MiB at odd
-//      offsets, verified on the target and read back; a batch of 256 requests
+//      offsets, verified on the target and read back; a batch of 256 requests;
+//      2,000 scattered 4 KiB pieces written and read back (chained work
+//      requests)
 //   2. one 16 MiB WRITE carried by both rails (rxe0 and rxe1 packet counters)
 //   3. rail 1 taken down (ip link set eth1 down) during a 24 MiB WRITE: the
 //      transfer completes on rail 0, bytes verified
@@ -232,6 +234,55 @@ struct client {
     co_return verdict == "ok" && back;
   }
 
+  // 2,000 pieces of 4 KiB at scattered offsets (a gap of 8 KiB after each;
+  // the local ones in reverse order), WRITE in one transfer, checked on the
+  // target, then READ back in one transfer into zeroed memory: nothing
+  // coalesces, so the small slices go out as chains of work requests, and
+  // one completion retires many of them.
+  asio::awaitable<void> scattered_pieces() {
+    constexpr std::uint64_t pieces = 2000, piece = 4096, stride = 3 * piece, seed = 61;
+    constexpr std::uint64_t base = 24ull << 20;  // [24 MiB, 48 MiB + 4 KiB) on both sides
+    const auto remote_of = [](std::uint64_t i) { return base + i * stride; };
+    const auto local_of = [](std::uint64_t i) { return base + (pieces - 1 - i) * stride + piece; };
+    std::vector<kvlink::transfer_request> writes, reads;
+    for (std::uint64_t i = 0; i < pieces; ++i) {
+      fill_pattern(mem.data + local_of(i), piece, seed, remote_of(i));
+      writes.push_back(
+          {kvlink::opcode::write, mem.data + local_of(i), peer.segment(0), remote_of(i), piece});
+      reads.push_back(
+          {kvlink::opcode::read, mem.data + local_of(i), peer.segment(0), remote_of(i), piece});
+    }
+    const auto t0 = std::chrono::steady_clock::now();
+    auto [wec, wr] = co_await eng.async_submit_transfer(writes, aw);
+    const double wsecs =
+        std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+    std::string verdict = wec ? "WRITE failed: " + wec.message() : "ok";
+    if (!wec && wr.bytes != pieces * piece) verdict = fmt::format("WRITE moved {} B", wr.bytes);
+    // The target checks every 40th piece and the last.
+    std::vector<std::uint64_t> sample;
+    for (std::uint64_t i = 0; i < pieces; i += 40) sample.push_back(i);
+    sample.push_back(pieces - 1);
+    for (const auto i : sample) {
+      if (verdict != "ok") break;
+      const auto v = co_await check(eng, peer, remote_of(i), piece, seed);
+      if (v != "ok") verdict = fmt::format("piece {} at {}: target says {}", i, remote_of(i), v);
+    }
+    for (std::uint64_t i = 0; i < pieces; ++i) std::memset(mem.data + local_of(i), 0, piece);
+    const auto t1 = std::chrono::steady_clock::now();
+    auto [rec, rr] = co_await eng.async_submit_transfer(reads, aw);
+    const double rsecs =
+        std::chrono::duration<double>(std::chrono::steady_clock::now() - t1).count();
+    std::uint64_t intact = 0;
+    for (std::uint64_t i = 0; i < pieces; ++i) {
+      if (is_pattern(mem.data + local_of(i), piece, seed, remote_of(i))) ++intact;
+    }
+    report(
+        verdict == "ok" && !rec && rr.bytes == pieces * piece && intact == pieces,
+        fmt::format("2000 x 4 KiB scattered: WRITE {} in {:.2f} s; READ back {} ({} B) in "
+                    "{:.2f} s, {} of {} pieces intact",
+                    verdict, wsecs, rec ? rec.message() : "ok", rr.bytes, rsecs, intact, pieces));
+  }
+
   asio::awaitable<void> run() {
     const auto target = env("KVLINK_PEER0", "127.0.0.1");
     // 1. RDMA chosen; integrity across sizes.
@@ -268,6 +319,7 @@ struct client {
       }
       report(all, fmt::format("batch of 256 x 12 KiB WRITEs: {}, bytes {}, verified {}",
                               bec ? bec.message() : "ok", r.bytes, all));
+      co_await scattered_pieces();
     }
     // 2. Striping: both rails carry one large request.
     {
@@ -584,8 +636,16 @@ int run_bench_server() {
   return 0;
 }
 
-// bench SIZE...: for each size, 3 rounds of one transfer of 32 MiB cut into
-// SIZE-byte requests; prints "kvlink SIZE GBps" with the median round.
+// bench [write|read] [contiguous|scattered] SIZE...: for each size, 3
+// rounds of one transfer of 32 MiB in SIZE-byte requests; prints
+// "kvlink[-read][-scattered] SIZE GBps" with the median round. The words
+// apply to the sizes after them (default: write, contiguous). Contiguous
+// requests are adjacent on both sides, so the planner coalesces them into
+// runs and cuts those into its own slices (1 MiB): SIZE is then only the
+// request size, not what goes on the wire. Scattered requests leave a gap of
+// SIZE bytes after each one (on both sides; the local ones in reverse order),
+// so nothing coalesces and each request is one slice of SIZE bytes: small
+// pieces on the wire, as with tensor parallelism.
 int run_bench(int argc, char** argv) {
   asio::io_context io;
   kvlink::rdma_engine eng{io.get_executor(), bench_config(":0")};
@@ -611,13 +671,28 @@ int run_bench(int argc, char** argv) {
           rc = 1;
           co_return;
         }
+        auto op = kvlink::opcode::write;
+        bool scattered = false;
         for (int a = 2; a < argc; ++a) {
+          const std::string word = argv[a];
+          if (word == "write" || word == "read") {
+            op = word == "read" ? kvlink::opcode::read : kvlink::opcode::write;
+            continue;
+          }
+          if (word == "contiguous" || word == "scattered") {
+            scattered = word == "scattered";
+            continue;
+          }
           const std::uint64_t size = std::strtoull(argv[a], nullptr, 10);
           const std::uint64_t total = 32ull << 20;
           if (size == 0 || size > total) continue;
+          // Scattered: 2 x 32 MiB fits the 64 MiB buffers on both sides.
+          const std::uint64_t stride = scattered ? 2 * size : size, n = total / size;
           std::vector<kvlink::transfer_request> reqs;
-          for (std::uint64_t off = 0; off + size <= total; off += size) {
-            reqs.push_back({kvlink::opcode::write, mem.data + off, p.segment(0), off, size});
+          for (std::uint64_t i = 0; i < n; ++i) {
+            const std::uint64_t remote = i * stride;
+            const std::uint64_t local = scattered ? (n - 1 - i) * stride : remote;
+            reqs.push_back({op, mem.data + local, p.segment(0), remote, size});
           }
           std::vector<double> rates;
           for (int round = 0; round < 3; ++round) {
@@ -633,7 +708,8 @@ int run_bench(int argc, char** argv) {
             rates.push_back(static_cast<double>(r.bytes) / secs / 1e9);
           }
           std::sort(rates.begin(), rates.end());
-          std::printf("kvlink %llu %.6f GBps (median of 3; min %.6f, max %.6f)\n",
+          std::printf("kvlink%s%s %llu %.6f GBps (median of 3; min %.6f, max %.6f)\n",
+                      op == kvlink::opcode::read ? "-read" : "", scattered ? "-scattered" : "",
                       static_cast<unsigned long long>(size), rates[1], rates[0], rates[2]);
           std::fflush(stdout);
         }
@@ -660,6 +736,8 @@ int main(int argc, char** argv) {
     std::fprintf(stderr, "kvlink_rdma_vm_test %s: %s\n", mode.c_str(), e.what());
     return 2;
   }
-  std::fprintf(stderr, "usage: kvlink_rdma_vm_test server|client|bench-server|bench SIZE...\n");
+  std::fprintf(stderr,
+               "usage: kvlink_rdma_vm_test server|client|bench-server|bench [write|read] "
+               "[contiguous|scattered] SIZE...\n");
   return 2;
 }
