@@ -8,6 +8,9 @@
 // - slice_fate(): whether a slice that failed on a rail is retried elsewhere.
 // - pick_qp(): which queue pair takes the next slice.
 // - keep_waiting(): whether queued slices may wait for a rail to come back.
+// - chain_limits: when a chain of work requests (one ibv_post_send, its last
+//   work request signaled) ends.
+// - retired_by(): how many work requests of a queue pair a completion ends.
 #pragma once
 
 #include <algorithm>
@@ -187,6 +190,38 @@ inline bool keep_waiting(std::span<const rail_health* const> rails) noexcept {
            r->state() == rail_state::idle ||
            (r->state() == rail_state::paused && r->failures() <= 1);
   });
+}
+
+/// Work requests staged for one queue pair go out as one chain: one
+/// ibv_post_send() call, only the last one signaled. A chain ends once it
+/// holds `max_wrs` work requests or `max_bytes` bytes, so small slices share
+/// a completion and large ones keep one each (their completions are few
+/// already, and a long chain of them would hold back progress and the
+/// retries of a failed rail).
+struct chain_limits {
+  std::uint32_t max_wrs = 16;
+  std::uint64_t max_bytes = 256ull << 10;  // KiB = 2^10 B
+
+  /// Whether a chain of `wrs` work requests carrying `bytes` must end here.
+  constexpr bool full(std::size_t wrs, std::uint64_t bytes) const noexcept {
+    return wrs >= max_wrs || bytes >= max_bytes;
+  }
+};
+
+/// How many of a queue pair's work requests, oldest first in `posted`, a
+/// completion for `wr_id` ends: its position + 1 (an RC queue pair completes
+/// in order, so every one posted before it has completed, unsignaled ones
+/// without a completion of their own), or 0 when it is not there (a stale
+/// completion of a queue pair torn down already). `id_of` gives an element's
+/// wr_id.
+template <class Posted, class IdOf>
+std::size_t retired_by(const Posted& posted, std::uint64_t wr_id, IdOf id_of) {
+  std::size_t n = 0;
+  for (const auto& p : posted) {
+    ++n;
+    if (id_of(p) == wr_id) return n;
+  }
+  return 0;
 }
 
 }  // namespace kvlink::rdma
