@@ -21,6 +21,8 @@ struct rdma_config {
   std::uint32_t qps_per_endpoint = 2;
   /// Outstanding work requests per QP.
   std::uint32_t max_wr = 256;
+  /// Work requests per ibv_post_send chain; only the last is signaled.
+  std::uint32_t chain = 16;
 
   friend bool operator==(const rdma_config&, const rdma_config&) = default;
 };
@@ -37,6 +39,10 @@ inline constexpr std::array rdma_settings{
                              "RDMA queue pairs per peer and NIC"},
     setting_row<rdma_config>{"rdma_max_wr", "KVLINK_RDMA_MAX_WR", setting_kind::count,
                              &rdma_config::max_wr, "outstanding work requests per queue pair"},
+    setting_row<rdma_config>{
+        "rdma_chain", "KVLINK_RDMA_CHAIN", setting_kind::count, &rdma_config::chain,
+        "work requests posted as one chain (one ibv_post_send, one signaled completion); a "
+        "chain also ends at 256 KiB; 1 = each slice posted and signaled on its own"},
 };
 
 /// The RDMA transport's own rules; the first broken one is invalid_argument
@@ -63,6 +69,7 @@ inline std::error_code validate(const rdma_config& c, std::string* what = nullpt
   }
   if (c.qps_per_endpoint == 0) return fail(what, "rdma_qps_per_endpoint: must be at least 1");
   if (c.max_wr == 0) return fail(what, "rdma_max_wr: must be at least 1");
+  if (c.chain == 0) return fail(what, "rdma_chain: must be at least 1");
   return {};
 }
 

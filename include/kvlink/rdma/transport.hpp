@@ -19,11 +19,22 @@
 //   queue pairs ("rdma_accept", or "rdma_reject" with the reason). Each
 //   direction has its own queue pairs, so two engines connecting to each
 //   other at once simply get two independent sets.
-// - Slices: one signaled RDMA WRITE or READ each, given to the queue pair
-//   with the fewest bytes outstanding among active rails, at most
-//   config.rdma_max_wr per queue pair and no more than a completion queue
-//   holds per port. One large request is cut into slices by the planner and
-//   so uses every rail.
+// - Slices: one RDMA WRITE or READ each, given to the queue pair with the
+//   fewest bytes outstanding among active rails, at most config.rdma_max_wr
+//   per queue pair (unsignaled work requests count until a later completion
+//   retires them) and no more than a completion queue holds per port. One
+//   large request is cut into slices by the planner and so uses every rail.
+//   Each pass over the queued slices stages their work requests per queue
+//   pair and posts them as chains: one ibv_post_send() per chain, only its
+//   last work request signaled. A chain ends at config.rdma_chain work
+//   requests or 256 KiB (chain_limits in path_logic.hpp), so 4 KiB pieces
+//   share one completion per 16 and a 1 MiB slice keeps its own. A queue
+//   pair completes in order: a completion retires every work request posted
+//   on it up to and including its own (retired_by()), and an error
+//   completion names the work request that failed (errors are reported for
+//   unsignaled ones too); those before it succeeded. A chain that the
+//   device refused part of puts the unposted rest back at the front of the
+//   queue and breaks the rail.
 // - Completions: one coroutine per port on the engine's strand polls its
 //   completion queue while work is outstanding (yielding to other handlers
 //   between polls, and parking after a run of empty polls) and waits on the
@@ -283,8 +294,11 @@ class path final : public data_path, public std::enable_shared_from_this<path> {
   struct qp_slot {
     queue_pair qp;
     std::uint32_t psn = 0;
+    /// Oldest first; the last staged.size() are staged, not posted yet.
     std::deque<posted> inflight;
     std::uint64_t bytes = 0;
+    std::vector<rdma_work_request> staged;  // the chain being built
+    std::uint64_t staged_bytes = 0;
   };
   struct rail {
     std::size_t port = 0;         // index into the transport's ports
@@ -300,6 +314,14 @@ class path final : public data_path, public std::enable_shared_from_this<path> {
   void requeue_or_fail(pending p, std::error_code ec, failure_kind kind, std::uint32_t on_rail);
   bool port_active(std::size_t port) const;
   void post_queued();
+  /// Posts rail r's queue pair qi's staged work requests as one chain, the
+  /// last one signaled; on failure the unposted ones are back at the front
+  /// of the queue.
+  std::error_code post_chain(std::uint32_t r, std::size_t qi);
+  /// Ends the chain being built on rail r's queue pair qi: the last `n` of
+  /// its work requests were not posted and go back to the front of the
+  /// queue, in order (not a try).
+  void unstage(std::uint32_t r, std::size_t qi, std::size_t n);
   void check_stranded();
   unsigned max_tries() const noexcept { return static_cast<unsigned>(rails_.size()) + 1; }
   /// The peer's segment as this path addresses it: base, length, one rkey
@@ -321,6 +343,7 @@ class path final : public data_path, public std::enable_shared_from_this<path> {
   std::vector<rail> rails_;
   std::deque<pending> queue_;
   std::vector<qp_load> loads_;
+  std::vector<slice_report> retired_;  // reused by on_completion
   std::error_code last_error_;
   bool failed_ = false;
 };
@@ -963,6 +986,7 @@ inline void path::teardown(std::uint32_t r, std::error_code ec, failure_kind kin
   auto& rl = rails_[r];
   auto& port = *transport_->ports()[rl.port];
   std::vector<pending> orphans;
+  for (std::size_t qi = 0; qi < rl.qps.size(); ++qi) unstage(r, qi, rl.qps[qi].staged.size());
   for (auto& q : rl.qps) {
     if (q.qp) {
       std::error_code ignored;
@@ -1004,7 +1028,11 @@ inline void path::post_queued() {
   if (failed_) return;
   auto& ports = transport_->ports();
   const auto& cfg = transport_->cfg();
-  while (!queue_.empty()) {
+  const chain_limits limits{std::max<std::uint32_t>(cfg.chain, 1)};
+  // The first rail whose queue pair refused a chain: no more posting in
+  // this pass; rail_failed() tears it down and posts what is left.
+  std::optional<std::pair<std::uint32_t, std::error_code>> broken;
+  while (!queue_.empty() && !broken) {
     loads_.clear();
     for (const auto& rl : rails_) {
       const auto& port = *ports[rl.port];
@@ -1027,7 +1055,7 @@ inline void path::post_queued() {
       }
     }
     const auto pick = pick_qp(loads_);
-    if (!pick) return;
+    if (!pick) break;  // the staged chains still go out below
     std::uint32_t r = 0;
     std::size_t qi = *pick;
     while (qi >= rails_[r].qps.size()) qi -= rails_[r].qps.size(), ++r;
@@ -1060,20 +1088,69 @@ inline void path::post_queued() {
     const local_buffer local{reinterpret_cast<std::uint64_t>(s.local),
                              static_cast<std::uint32_t>(s.length), *lkey};
     const remote_buffer remote{seg->base + s.offset, seg->rkeys[rl.remote_port]};
-    auto wr = s.kind == opcode::write ? rdma_write(wr_id, local, remote)
-                                      : rdma_read(wr_id, local, remote);
-    std::error_code ec;
-    slot.qp.post(wr, ec);
-    if (ec) {
-      queue_.push_front(p);
-      rail_failed(r, ec);
-      return;  // rail_failed posts what is left
-    }
+    // Unsignaled; post_chain() signals the last of its chain.
+    slot.staged.push_back(s.kind == opcode::write ? rdma_write(wr_id, local, remote, false)
+                                                  : rdma_read(wr_id, local, remote, false));
+    slot.staged_bytes += s.length;
     ++p.tries;
     slot.inflight.push_back(posted{p, wr_id});
     slot.bytes += s.length;
     ++port.outstanding;
+    if (limits.full(slot.staged.size(), slot.staged_bytes)) {
+      if (auto ec = post_chain(r, qi)) broken.emplace(r, ec);
+    }
   }
+  // The chains not full yet go out now: no queue pair is left with an
+  // unsignaled work request last (nothing would ever complete it).
+  for (std::uint32_t r = 0; r < rails_.size() && !broken; ++r) {
+    for (std::size_t qi = 0; qi < rails_[r].qps.size() && !broken; ++qi) {
+      if (auto ec = post_chain(r, qi)) broken.emplace(r, ec);
+    }
+  }
+  if (!broken) return;
+  for (std::uint32_t r = 0; r < rails_.size(); ++r) {
+    for (std::size_t qi = 0; qi < rails_[r].qps.size(); ++qi) {
+      unstage(r, qi, rails_[r].qps[qi].staged.size());
+    }
+  }
+  rail_failed(broken->first, broken->second);  // posts what is left
+}
+
+inline std::error_code path::post_chain(std::uint32_t r, std::size_t qi) {
+  auto& slot = rails_[r].qps[qi];
+  auto& wrs = slot.staged;
+  if (wrs.empty()) return {};
+  for (std::size_t i = 0; i + 1 < wrs.size(); ++i) wrs[i].chain(wrs[i + 1]);
+  wrs.back().wr().send_flags |= static_cast<unsigned>(IBV_SEND_SIGNALED);
+  std::error_code ec;
+  const ibv_send_wr* bad = slot.qp.post(wrs.front(), ec);
+  std::size_t sent = wrs.size();
+  if (ec) {
+    // Those before `bad` were posted (none when it names none of ours). The
+    // last of them is unsignaled, but the caller breaks the rail: the queue
+    // pair is destroyed and its work requests are retried elsewhere.
+    sent = 0;
+    while (sent < wrs.size() && &wrs[sent].wr() != bad) ++sent;
+    if (sent == wrs.size()) sent = 0;
+  }
+  unstage(r, qi, wrs.size() - sent);
+  return ec;
+}
+
+inline void path::unstage(std::uint32_t r, std::size_t qi, std::size_t n) {
+  auto& rl = rails_[r];
+  auto& slot = rl.qps[qi];
+  auto& port = *transport_->ports()[rl.port];
+  for (std::size_t i = 0; i < n && !slot.inflight.empty(); ++i) {
+    pending p = slot.inflight.back().p;
+    slot.inflight.pop_back();
+    slot.bytes -= p.s.length;
+    port.outstanding -= std::min<std::size_t>(port.outstanding, 1);
+    --p.tries;
+    queue_.push_front(p);  // the newest first: they end up in their order
+  }
+  slot.staged.clear();
+  slot.staged_bytes = 0;
 }
 
 inline void path::check_stranded() {
@@ -1091,23 +1168,42 @@ inline void path::on_completion(std::uint32_t r, std::uint32_t qi, const ibv_wc&
   if (failed_ || r >= rails_.size() || qi >= rails_[r].qps.size()) return;
   auto& rl = rails_[r];
   auto& slot = rl.qps[qi];
-  if (slot.inflight.empty() || slot.inflight.front().wr_id != wc.wr_id) return;  // stale
-  auto done = slot.inflight.front();
-  slot.inflight.pop_front();
-  slot.bytes -= done.p.s.length;
+  // In order: this completion ends every work request posted before it on
+  // this queue pair too (unsignaled ones have no completion of their own).
+  const std::size_t n =
+      retired_by(slot.inflight, wc.wr_id, [](const posted& p) { return p.wr_id; });
+  if (n == 0) return;  // stale
+  const bool ok = wc.status == IBV_WC_SUCCESS;
   auto& port = *transport_->ports()[rl.port];
-  port.outstanding -= std::min<std::size_t>(port.outstanding, 1);
-  if (wc.status == IBV_WC_SUCCESS) {
-    host_.slice_done(done.p.s.op, done.p.s.length, {});
+  port.outstanding -= std::min(port.outstanding, n);
+  auto done = std::move(retired_);
+  done.clear();
+  std::optional<pending> failed;
+  for (std::size_t i = 0; i < n; ++i) {
+    const pending& p = slot.inflight.front().p;
+    slot.bytes -= p.s.length;
+    if (ok || i + 1 < n) {
+      done.push_back({p.s.op, p.s.length, {}});
+    } else {
+      failed = p;  // an error names the work request that failed
+    }
+    slot.inflight.pop_front();
+  }
+  // The queue pair no longer touches their memory. (slices_done may stop
+  // a transfer, and so this path: `slot` is not used after it.)
+  if (!done.empty()) host_.slices_done(done);
+  done.clear();
+  retired_ = std::move(done);
+  if (!failed) {
     pump();
     return;
   }
   const auto ec = make_wc_error(wc.status);
   const auto kind = classify(wc.status);
-  requeue_or_fail(done.p, ec, kind, r);
+  requeue_or_fail(*failed, ec, kind, r);
   // The queue pair is in error now: rebuild the rail (a bad request says
   // nothing about the rail, so no backoff for it).
-  rail_failed(r, ec, kind == failure_kind::rail);
+  if (!failed_) rail_failed(r, ec, kind == failure_kind::rail);
 }
 
 inline void path::fail(std::error_code ec) {

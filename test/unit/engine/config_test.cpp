@@ -61,6 +61,7 @@ kvlink::config all_changed() {
   c.rdma.gid_index = 3;
   c.rdma.qps_per_endpoint = 4;
   c.rdma.max_wr = 1024;
+  c.rdma.chain = 4;
   c.shm.lanes = 5;
   c.device.runtime = "emulated";
   c.device.staging_chunk = 4 << 20;
@@ -88,7 +89,7 @@ TEST_CASE("config table has one consistent row per config field") {
   const auto table = kvlink::config_table();
   const json j = kvlink::to_json(kvlink::config{});
   CHECK(j.size() == table.size());
-  CHECK(table.size() == 49);  // settings of kvlink::config and its sections
+  CHECK(table.size() == 50);  // settings of kvlink::config and its sections
 
   std::set<std::string_view> names, envs;
   for (const auto& s : table) {
@@ -379,6 +380,7 @@ TEST_CASE("validate rejects what the engines cannot use") {
   rejects([](kvlink::config& c) { c.device.staging_bytes = 1024; }, "staging_bytes");
   rejects([](kvlink::config& c) { c.shm.max_copy = 100; }, "shm_max_copy");
   rejects([](kvlink::config& c) { c.rdma.max_wr = 0; }, "rdma_max_wr");
+  rejects([](kvlink::config& c) { c.rdma.chain = 0; }, "rdma_chain");
   for (const char* bad : {"", "localhost", ":80", "host:", "host:65536", "host:8o", "::1:80",
                           "[::1]", "[]:80", "[::1:80", "host :80"}) {
     CAPTURE(bad);
