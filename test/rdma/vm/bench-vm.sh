@@ -16,7 +16,10 @@
 # in SIZE-byte requests, either contiguous (adjacent: the planner coalesces
 # them and cuts its own 1 MiB slices, so SIZE is not what goes on the wire)
 # or scattered (a gap after each: one slice of SIZE bytes per request, small
-# pieces on the wire). See `bench` in rdma_vm_test.cpp.
+# pieces on the wire). "CPU s/GB" is the kvlink process's CPU time (user +
+# system) per GB moved, scattered: the emulated wire caps GB/s for every
+# message size alike, the CPU a work request costs still shows. See `bench`
+# in rdma_vm_test.cpp.
 set -uo pipefail
 here=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
 bin=${1:?usage: bench-vm.sh PATH/TO/kvlink_rdma_vm_test [SIZE...]}
@@ -73,16 +76,17 @@ done' | tee "$log"
 status=${PIPESTATUS[0]}
 # The console lines are prefixed ("[client] "): match the tag and size alone.
 get() { grep -ao "$1 $2 [0-9.]*" "$log" | awk '{print $3}' | tail -n1; }
+cpu() { grep -ao "$1 $2 .*cpu [0-9.]*" "$log" | sed 's/.*cpu //' | tail -n1; }
 ratio() { awk -v k="${1:-0}" -v p="${2:-0}" 'BEGIN { print (p > 0 && k > 0 ? sprintf("%.2f", k / p) : "-") }'; }
 gbps() { awk -v v="${1:-0}" 'BEGIN { print (v > 0 ? sprintf("%.4f", v) : "-") }'; }
 echo
 base=$(grep -aq "baseline [0-9]" "$log" && echo yes)
 if [[ -n $base ]]; then
-  echo "| op | message | perftest GB/s | kvlink contiguous | kvlink scattered | scattered / perftest | baseline scattered | baseline / perftest |"
-  echo "|---|---|---|---|---|---|---|---|"
+  echo "| op | message | perftest GB/s | kvlink contiguous | kvlink scattered | scattered / perftest | CPU s/GB | baseline scattered | baseline / perftest | baseline CPU s/GB |"
+  echo "|---|---|---|---|---|---|---|---|---|---|"
 else
-  echo "| op | message | perftest GB/s | kvlink contiguous | kvlink scattered | scattered / perftest |"
-  echo "|---|---|---|---|---|---|"
+  echo "| op | message | perftest GB/s | kvlink contiguous | kvlink scattered | scattered / perftest | CPU s/GB |"
+  echo "|---|---|---|---|---|---|---|"
 fi
 for op in write read; do
   tool=ib_${op}_bw
@@ -91,10 +95,10 @@ for op in write read; do
     p=$(get "$tool" "$s")
     c=$(get "kvlink$suffix" "$s")
     k=$(get "kvlink$suffix-scattered" "$s")
-    row="| $op | $((s / 1024)) KiB | $(gbps "$p") | $(gbps "$c") | $(gbps "$k") | $(ratio "$k" "$p") |"
+    row="| $op | $((s / 1024)) KiB | $(gbps "$p") | $(gbps "$c") | $(gbps "$k") | $(ratio "$k" "$p") | $(cpu "kvlink$suffix-scattered" "$s") |"
     if [[ -n $base ]]; then
       b=$(get "baseline$suffix-scattered" "$s")
-      row+=" $(gbps "$b") | $(ratio "$b" "$p") |"
+      row+=" $(gbps "$b") | $(ratio "$b" "$p") | $(cpu "baseline$suffix-scattered" "$s") |"
     fi
     echo "$row"
   done
