@@ -27,11 +27,11 @@
 #include <vector>
 
 #include "../test/support/fake_transport.hpp"
+#include "../test/support/test_support.hpp"
 #include <asio/executor_work_guard.hpp>
 #include <asio/io_context.hpp>
 #include <asio/use_future.hpp>
 #include <benchmark/benchmark.h>
-#include <sys/resource.h>
 
 namespace {
 
@@ -79,23 +79,13 @@ struct pair {
   kvlink::peer peer;
 };
 
-// User + system CPU time of every thread of this process, in seconds.
-double process_cpu_seconds() {
-  rusage u{};
-  getrusage(RUSAGE_SELF, &u);
-  const auto sec = [](const timeval& t) {
-    return static_cast<double>(t.tv_sec) + static_cast<double>(t.tv_usec) * 1e-6;
-  };
-  return sec(u.ru_utime) + sec(u.ru_stime);
-}
-
 void bm_submit(benchmark::State& state, const std::string& transport, bool scattered,
                std::uint64_t piece = 4096,
                std::uint32_t vector_pieces = kvlink::tcp_config{}.vector_pieces) {
   const auto n = static_cast<std::size_t>(state.range(0));
   pair p(transport, 2, n, piece, vector_pieces);
   const auto reqs = p.batch(n, scattered);
-  const double cpu_before = process_cpu_seconds();
+  const double cpu_before = kvlink_test::process_cpu_seconds();
   for (auto _ : state) {
     const auto r = p.initiator->async_submit_transfer(reqs, asio::use_future).get();
     if (r.requests != n) state.SkipWithError("not every request completed");
@@ -107,7 +97,7 @@ void bm_submit(benchmark::State& state, const std::string& transport, bool scatt
   // CPU seconds per request, every thread of the process (the engines' and
   // the caller's): what a request costs when the machine is shared and the
   // wall clock also counts other programs' time.
-  state.counters["cpu/request"] = (process_cpu_seconds() - cpu_before) / requests;
+  state.counters["cpu/request"] = (kvlink_test::process_cpu_seconds() - cpu_before) / requests;
   state.SetItemsProcessed(state.iterations() * static_cast<std::int64_t>(n));
   state.SetBytesProcessed(state.iterations() * static_cast<std::int64_t>(n * piece));
 }

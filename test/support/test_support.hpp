@@ -1,4 +1,5 @@
-// Helpers shared by the engine tests and the kvlink_test_peer helper process.
+// Helpers shared by the engine tests, the kvlink_test_peer helper process and
+// the benches.
 #pragma once
 
 #include <chrono>
@@ -6,6 +7,7 @@
 #include <cstdint>
 
 #include <asio/io_context.hpp>
+#include <sys/resource.h>
 
 namespace kvlink_test {
 
@@ -74,6 +76,17 @@ bool run_until(asio::io_context& io, Pred done, std::chrono::seconds limit = 120
     io.run_one_for(100ms);
   }
   return true;
+}
+
+// User + system CPU time of every thread of this process, in seconds: what
+// benches report beside the wall clock, which a shared machine inflates.
+inline double process_cpu_seconds() {
+  rusage u{};
+  getrusage(RUSAGE_SELF, &u);
+  const auto secs = [](const timeval& t) {
+    return static_cast<double>(t.tv_sec) + static_cast<double>(t.tv_usec) * 1e-6;
+  };
+  return secs(u.ru_utime) + secs(u.ru_stime);
 }
 
 }  // namespace kvlink_test

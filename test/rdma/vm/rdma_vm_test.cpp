@@ -45,7 +45,6 @@
 #include <asio/io_context.hpp>
 #include <asio/steady_timer.hpp>
 #include <sys/mman.h>
-#include <sys/resource.h>
 
 namespace {
 
@@ -650,15 +649,6 @@ int run_bench_server() {
 // rounds' CPU time of this process (user + system, so the kernel's share of
 // posting too) per GB moved: where the emulated wire is the bottleneck, GB/s
 // hides what a work request costs, CPU time does not.
-double cpu_seconds() {
-  rusage u{};
-  getrusage(RUSAGE_SELF, &u);
-  const auto secs = [](const timeval& t) {
-    return static_cast<double>(t.tv_sec) + static_cast<double>(t.tv_usec) / 1e6;
-  };
-  return secs(u.ru_utime) + secs(u.ru_stime);
-}
-
 int run_bench(int argc, char** argv) {
   asio::io_context io;
   kvlink::rdma_engine eng{io.get_executor(), bench_config(":0")};
@@ -709,7 +699,7 @@ int run_bench(int argc, char** argv) {
           }
           std::vector<double> rates, cpu;
           for (int round = 0; round < 3; ++round) {
-            const double c0 = cpu_seconds();
+            const double c0 = kvlink_test::process_cpu_seconds();
             const auto t0 = std::chrono::steady_clock::now();
             auto [ec, r] = co_await eng.async_submit_transfer(reqs, aw);
             const double secs =
@@ -720,7 +710,8 @@ int run_bench(int argc, char** argv) {
               co_return;
             }
             rates.push_back(static_cast<double>(r.bytes) / secs / 1e9);
-            cpu.push_back((cpu_seconds() - c0) / (static_cast<double>(r.bytes) / 1e9));
+            cpu.push_back((kvlink_test::process_cpu_seconds() - c0) /
+                          (static_cast<double>(r.bytes) / 1e9));
           }
           std::sort(rates.begin(), rates.end());
           std::sort(cpu.begin(), cpu.end());
