@@ -132,7 +132,7 @@ class fake_path final : public kvlink::data_path, public std::enable_shared_from
   void pump() override {
     if (fake_settings::instant && !failed_) {
       done_.clear();
-      for (const auto& s : queue_) done_.push_back({s.op, s.length, {}});
+      for (const auto& s : queue_) kvlink::add_report(done_, s.op, s.length);
       queue_.clear();
       if (!done_.empty()) env_.host->slices_done(done_);
       return;

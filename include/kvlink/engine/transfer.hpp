@@ -65,6 +65,18 @@ namespace detail {
 
 struct staged_slice;
 
+#if defined(__SANITIZE_ADDRESS__)
+inline constexpr bool reuse_ops = false;
+#elif defined(__has_feature)
+#if __has_feature(address_sanitizer)
+inline constexpr bool reuse_ops = false;
+#else
+inline constexpr bool reuse_ops = true;
+#endif
+#else
+inline constexpr bool reuse_ops = true;
+#endif
+
 /// One transfer's state. Strand-only, except `stopping`, which transports
 /// read from their strands while they hold one of its slices.
 struct transfer_op {
@@ -76,7 +88,8 @@ struct transfer_op {
   transfer_result result;
   std::atomic<bool> stopping{false};
   std::chrono::steady_clock::time_point start;
-  std::optional<asio::steady_timer> deadline;
+  // When it fails with deadline_exceeded (transfers keeps one timer for all).
+  std::optional<std::chrono::steady_clock::time_point> deadline;
   std::optional<asio::steady_timer> fence;
   std::vector<std::shared_ptr<data_path>> paths;   // paths that carry its slices
   std::vector<std::shared_ptr<peer_state>> peers;  // peers it moves data with
@@ -86,6 +99,27 @@ struct transfer_op {
   // staged slice's carrier (the transfer its path sees), that slice.
   std::vector<std::unique_ptr<staged_slice>> staged;
   staged_slice* carrier_of = nullptr;
+
+  /// Back to a fresh op's state, the lists' capacity kept (transfers
+  /// reuses completed ops).
+  void reset() {
+    id = 0;
+    handler = {};
+    slot = {};
+    pending = 0;
+    error = {};
+    result = {};
+    stopping.store(false, std::memory_order_relaxed);
+    start = {};
+    deadline.reset();
+    fence.reset();
+    paths.clear();
+    peers.clear();
+    local_segments.clear();
+    notify.reset();
+    staged.clear();
+    carrier_of = nullptr;
+  }
 };
 
 /// A slice of device memory whose transport does not reach it: it borrows a
@@ -135,22 +169,32 @@ class transfers : public std::enable_shared_from_this<transfers> {
         find_peer_(std::move(find_peer)),
         pins_(pins),
         staging_(std::move(staging)),
-        staging_segment_(std::move(staging_segment)) {}
+        staging_segment_(std::move(staging_segment)),
+        deadlines_(strand_) {}
 
   std::uint64_t next_id() noexcept { return next_id_.fetch_add(1, std::memory_order_relaxed); }
 
   /// Strand-only: starts a transfer (the handler runs later, never in here).
   void start(std::uint64_t id, std::vector<transfer_request> reqs, transfer_options opts, handler h,
              asio::cancellation_slot slot) {
-    auto owned = std::make_unique<transfer_op>();
-    auto* op = owned.get();
+    transfer_op* op = nullptr;
+    if (!spare_ops_.empty()) {  // a completed op and its map node, reused
+      auto node = std::move(spare_ops_.back());
+      spare_ops_.pop_back();
+      node.key() = id;
+      op = node.mapped().get();
+      ops_.insert(std::move(node));
+    } else {
+      auto owned = std::make_unique<transfer_op>();
+      op = owned.get();
+      ops_.emplace(id, std::move(owned));
+    }
     op->id = id;
     op->handler = std::move(h);
     op->slot = slot;
     op->start = std::chrono::steady_clock::now();
     op->result.requests = static_cast<std::uint32_t>(reqs.size());
     op->notify = std::move(opts.notify);
-    ops_.emplace(id, std::move(owned));
     if (op->notify &&
         op->notify->id.size() + op->notify->payload.size() > settings_.max_notification) {
       op->error = errc::message_too_large;
@@ -160,7 +204,7 @@ class transfers : public std::enable_shared_from_this<transfers> {
 
     // Validate everything before anything moves: a bad request fails the
     // whole batch with nothing transferred.
-    std::vector<group> groups;
+    std::vector<group> groups = std::move(scratch_.groups);
     std::vector<slice> slices = std::move(scratch_.slices);
     lookups seen;
     seen.spare = std::move(scratch_.items);
@@ -174,6 +218,8 @@ class transfers : public std::enable_shared_from_this<transfers> {
       ~recycle() {
         if (!groups.empty()) to.items = std::move(groups.front().items);
         to.items.clear();
+        groups.clear();  // lets go of the peers
+        to.groups = std::move(groups);
         to.slices = std::move(slices);
         to.slices.clear();
       }
@@ -229,7 +275,8 @@ class transfers : public std::enable_shared_from_this<transfers> {
       op->result.slices += stats.slices;
       op->peers.push_back(g.p);
       op->paths.push_back(g.p->path);
-      std::vector<bool> used(g.p->path->lane_weights().size(), false);
+      auto& used = scratch_.lanes_used;
+      used.assign(g.p->path->lane_weights().size(), 0);
       const bool stage = device_memory && staging_;
       for (const auto& s : slices) {
         const slice_ref ref{op,
@@ -242,8 +289,8 @@ class transfers : public std::enable_shared_from_this<transfers> {
                             s.local_segment.value(),
                             checksum};
         ++op->pending;
-        if (!used[s.lane]) {
-          used[s.lane] = true;
+        if (used[s.lane] == 0) {
+          used[s.lane] = 1;
           ++op->result.lanes;
         }
         if (stage) {
@@ -263,19 +310,21 @@ class transfers : public std::enable_shared_from_this<transfers> {
       return;
     }
     const auto deadline = opts.deadline.value_or(settings_.default_deadline);
-    if (deadline.count() > 0) {
-      op->deadline.emplace(strand_);
-      op->deadline->expires_after(deadline);
-      op->deadline->async_wait([w = weak_from_this(), id](std::error_code ec) {
-        if (ec) return;
-        if (auto self = w.lock()) {
-          if (auto* o = self->find(id)) self->stop(o, errc::deadline_exceeded);
-        }
-      });
+    if (deadline.count() > 0) op->deadline = op->start + deadline;
+    // Kick the paths last. A path may resolve slices in pump() (shm copies
+    // small batches right there), so the op may be gone when it returns:
+    // the paths are held here, not read from the op.
+    if (op->paths.size() == 1) {
+      const auto p = op->paths.front();
+      p->pump();
+    } else {
+      auto paths = op->paths;
+      for (auto& p : paths) p->pump();
     }
-    // Kick the paths last: sends complete asynchronously, never in here.
-    auto paths = op->paths;
-    for (auto& p : paths) p->pump();
+    // Its deadline counts from its start; the timer is set only for a
+    // transfer still under way (nothing of it can complete before this
+    // handler returns: reports from other strands are posted here).
+    if (auto* o = find(id); o != nullptr && o->deadline && !stopping(o)) arm_deadline(*o->deadline);
   }
 
   /// Strand-only: the caller's cancellation.
@@ -312,12 +361,12 @@ class transfers : public std::enable_shared_from_this<transfers> {
   /// From any strand: several slices finished; one hop to the strand.
   void slices_done(std::span<const slice_report> done) {
     if (strand_.running_in_this_thread()) {
-      for (const auto& d : done) on_slice_done(d.op, d.bytes, d.ec);
+      for (const auto& d : done) on_slice_done(d.op, d.bytes, d.ec, d.slices);
       return;
     }
     asio::post(strand_, [self = shared_from_this(),
                          v = std::vector<slice_report>(done.begin(), done.end())] {
-      for (const auto& d : v) self->on_slice_done(d.op, d.bytes, d.ec);
+      for (const auto& d : v) self->on_slice_done(d.op, d.bytes, d.ec, d.slices);
     });
   }
 
@@ -442,13 +491,15 @@ class transfers : public std::enable_shared_from_this<transfers> {
     return destinations_overlap(ranges);
   }
 
-  void on_slice_done(transfer_op* op, std::uint64_t bytes, std::error_code ec) {
-    if (op->carrier_of != nullptr) {
+  // `slices` of op's slices finished (more than one: all of them succeeded).
+  void on_slice_done(transfer_op* op, std::uint64_t bytes, std::error_code ec,
+                     std::uint32_t slices = 1) {
+    if (op->carrier_of != nullptr) {  // a staged slice's carrier carries that one slice
       staged_done(op->carrier_of, bytes, ec);
       return;
     }
     op->result.bytes += bytes;
-    --op->pending;
+    op->pending -= slices;
     if (ec && !op->stopping) {
       stop(op, ec);  // may complete the op
       return;
@@ -462,7 +513,6 @@ class transfers : public std::enable_shared_from_this<transfers> {
     if (op->stopping.load(std::memory_order_relaxed)) return;
     op->stopping.store(true, std::memory_order_release);
     if (!op->error) op->error = ec;
-    if (op->deadline) op->deadline->cancel();
     std::size_t dropped = 0;
     for (auto& p : op->paths) dropped += p->drop_queued(op);
     for (auto& st : op->staged) {
@@ -597,11 +647,53 @@ class transfers : public std::enable_shared_from_this<transfers> {
     on_slice_done(sp->parent, bytes, ec);
   }
 
+  // ---------------------------------------------------------------- deadlines
+
+  // One timer for every transfer's deadline, set to the earliest one it
+  // knows of. A transfer that completes leaves it be: when it fires, the
+  // transfers past their deadline stop, and it is set again for the
+  // earliest of the rest. With no transfer left it is cancelled, so that an
+  // idle engine holds no pending wait (an io_context run to completion
+  // returns).
+  void arm_deadline(std::chrono::steady_clock::time_point at) {
+    if (deadline_armed_ && deadline_at_ <= at) return;
+    deadline_armed_ = true;
+    deadline_at_ = at;
+    deadlines_.expires_at(at);  // a wait for a later instant ends, aborted
+    deadlines_.async_wait([w = weak_from_this()](std::error_code ec) {
+      if (ec) return;
+      if (auto self = w.lock()) self->deadlines_due();
+    });
+  }
+
+  void deadlines_due() {
+    deadline_armed_ = false;
+    const auto now = std::chrono::steady_clock::now();
+    std::vector<std::uint64_t> due;
+    std::optional<std::chrono::steady_clock::time_point> next;
+    for (const auto& [id, op] : ops_) {
+      if (!op->deadline || stopping(op.get())) continue;
+      if (*op->deadline <= now) {
+        due.push_back(id);
+      } else if (!next || *op->deadline < *next) {
+        next = op->deadline;
+      }
+    }
+    for (const auto id : due) {
+      if (auto* op = find(id)) stop(op, errc::deadline_exceeded);
+    }
+    if (next && !ops_.empty()) arm_deadline(*next);
+  }
+
   void complete(transfer_op* op) {
     auto it = ops_.find(op->id);
     if (it == ops_.end()) return;
-    auto owned = std::move(it->second);
-    ops_.erase(it);
+    auto node = ops_.extract(it);
+    if (ops_.empty() && deadline_armed_) {
+      deadline_armed_ = false;
+      deadlines_.cancel();
+    }
+    auto& owned = node.mapped();
     if (owned->slot.is_connected()) owned->slot.clear();
     owned->result.duration = std::chrono::duration_cast<std::chrono::nanoseconds>(
         std::chrono::steady_clock::now() - owned->start);
@@ -609,13 +701,16 @@ class transfers : public std::enable_shared_from_this<transfers> {
     const auto ec = owned->error;
     const auto result = owned->result;
     auto notify = std::move(owned->notify);
-    auto peers = std::move(owned->peers);
-    const auto local_segments = std::move(owned->local_segments);
-    std::optional<asio::steady_timer::time_point> until;
-    if (owned->deadline) until = owned->deadline->expiry();
-    owned.reset();  // state freed before the upcall
+    std::vector<std::shared_ptr<peer_state>> peers;
+    if (!ec && notify) peers = std::move(owned->peers);
+    const auto until = owned->deadline;
     // Nothing of it touches local memory any more.
-    for (const auto seg : local_segments) pins_.unpin(seg);
+    for (const auto seg : owned->local_segments) pins_.unpin(seg);
+    // Its state is let go before the upcall; the op (its lists' room) and
+    // its map node serve a later transfer. Not under AddressSanitizer, so
+    // that a use of an op after its completion stays a finding there.
+    owned->reset();
+    if (reuse_ops && spare_ops_.size() < max_spare_ops) spare_ops_.push_back(std::move(node));
     if (ec || !notify || peers.empty()) {
       h.complete(ec, result);
       return;
@@ -673,9 +768,19 @@ class transfers : public std::enable_shared_from_this<transfers> {
     std::vector<plan_request> items;  // the first peer's requests
     std::vector<slice> slices;
     std::vector<destination_range> ranges;
+    std::vector<group> groups;  // empty between transfers
+    std::vector<char> lanes_used;
   };
   scratch scratch_;
-  std::unordered_map<std::uint64_t, std::unique_ptr<transfer_op>> ops_;  // strand-only
+  using op_map = std::unordered_map<std::uint64_t, std::unique_ptr<transfer_op>>;
+  op_map ops_;  // strand-only
+  // Completed ops in their map nodes, ready for the next transfers (a
+  // transfer then allocates neither its state nor its node).
+  static constexpr std::size_t max_spare_ops = 64;
+  std::vector<op_map::node_type> spare_ops_;
+  asio::steady_timer deadlines_;
+  bool deadline_armed_ = false;
+  std::chrono::steady_clock::time_point deadline_at_{};
 };
 
 }  // namespace detail

@@ -1183,7 +1183,7 @@ inline void path::on_completion(std::uint32_t r, std::uint32_t qi, const ibv_wc&
     const pending& p = slot.inflight.front().p;
     slot.bytes -= p.s.length;
     if (ok || i + 1 < n) {
-      done.push_back({p.s.op, p.s.length, {}});
+      add_report(done, p.s.op, p.s.length);
     } else {
       failed = p;  // an error names the work request that failed
     }

@@ -432,8 +432,11 @@ class lane final : public std::enable_shared_from_this<lane> {
     // With a checksum, a corrupted payload is never reported as read (its
     // bytes are in place, though). Checked on the bytes received.
     const bool bad = c.corrupt || (c.verify && crc32c(c.from, c.length) != c.checksum);
-    done_.push_back(bad ? slice_report{c.slice.op, 0, errc::checksum_mismatch}
-                        : slice_report{c.slice.op, c.slice.length, {}});
+    if (bad) {
+      done_.push_back(slice_report{c.slice.op, 0, errc::checksum_mismatch});
+    } else {
+      add_report(done_, c.slice.op, c.slice.length);
+    }
     return true;
   }
 
@@ -498,8 +501,9 @@ class lane final : public std::enable_shared_from_this<lane> {
                        for (std::size_t k = 0; k < front.count; ++k) {
                          const slice_ref s = self->inflight_.front();
                          self->inflight_.pop_front();
-                         self->done_.push_back(bad ? slice_report{s.op, 0, errc::checksum_mismatch}
-                                                   : slice_report{s.op, s.length, {}});
+                         add_report(
+                             self->done_, s.op, bad ? 0 : s.length,
+                             bad ? std::error_code{errc::checksum_mismatch} : std::error_code{});
                        }
                        self->flush_done();
                        self->pump();
@@ -585,7 +589,7 @@ class lane final : public std::enable_shared_from_this<lane> {
       for (std::size_t k = 0; k < f.count; ++k) {
         const slice_ref s = inflight_.front();
         inflight_.pop_front();
-        done_.push_back(slice_report{s.op, status ? 0 : s.length, status});
+        add_report(done_, s.op, status ? 0 : s.length, status);
       }
     }
     (void)place_reads();

@@ -32,12 +32,14 @@
 #include <cstddef>
 #include <cstdint>
 #include <functional>
+#include <limits>
 #include <memory>
 #include <optional>
 #include <span>
 #include <string>
 #include <string_view>
 #include <system_error>
+#include <vector>
 
 #include <asio/any_io_executor.hpp>
 #include <asio/awaitable.hpp>
@@ -76,12 +78,31 @@ struct slice_ref {
   bool checksum = false;
 };
 
-/// One finished slice, for transport_host::slices_done.
+/// Finished slices of one transfer, for transport_host::slices_done: one
+/// slice, or `slices` of them that all succeeded (`bytes`: theirs in all; a
+/// transport that resolves thousands of small slices at once reports them
+/// as one). A failed slice is reported alone.
 struct slice_report {
   detail::transfer_op* op = nullptr;
   std::uint64_t bytes = 0;
   std::error_code ec;
+  std::uint32_t slices = 1;
 };
+
+/// Adds a successful slice of `op` to `done`: to its last report when that
+/// is of the same transfer and succeeded too, else as a report of its own.
+inline void add_report(std::vector<slice_report>& done, detail::transfer_op* op,
+                       std::uint64_t bytes, std::error_code ec = {}) {
+  if (!ec && !done.empty()) {
+    auto& last = done.back();
+    if (last.op == op && !last.ec && last.slices < std::numeric_limits<std::uint32_t>::max()) {
+      last.bytes += bytes;
+      ++last.slices;
+      return;
+    }
+  }
+  done.push_back({op, bytes, ec});
+}
 
 /// The engine, as its transports see it. Every member may be called from
 /// any thread.
@@ -93,7 +114,10 @@ class transport_host {
   virtual void slice_done(detail::transfer_op* op, std::uint64_t bytes, std::error_code ec) = 0;
   /// Several slices finished (one hop to the engine's strand for all).
   virtual void slices_done(std::span<const slice_report> done) {
-    for (const auto& d : done) slice_done(d.op, d.bytes, d.ec);
+    for (const auto& d : done) {
+      slice_done(d.op, d.bytes, d.ec);
+      for (std::uint32_t i = 1; i < d.slices; ++i) slice_done(d.op, 0, d.ec);
+    }
   }
   /// Whether the slice's transfer is stopping (failed, cancelled, past its
   /// deadline): a transport retries nothing for it, and may resolve its

@@ -672,6 +672,114 @@ TEST_CASE(
   }
 }
 
+TEST_CASE("deadlines: one timer serves transfers with different deadlines") {
+  // The engine keeps one timer for all deadlines, set to the earliest it
+  // knows of: a later transfer with an earlier deadline must set it sooner,
+  // and when it fires for a transfer that already completed it must be set
+  // again for the ones still under way.
+  pair_rig r;
+  silent_peer fake;
+  const kvlink::peer silent = r.connect(fake.address());
+  auto to_silent = [&](std::size_t off) {
+    return std::vector<kvlink::transfer_request>{
+        {opcode::write, r.local_mem.data() + off, silent.segment(0), off, 4096}};
+  };
+  auto submit = [&](std::vector<kvlink::transfer_request> reqs, std::chrono::milliseconds d,
+                    std::optional<run_outcome>& out) {
+    r.initiator.async_submit_transfer(reqs, kvlink::transfer_options{.deadline = d},
+                                      [&out](std::error_code ec, kvlink::transfer_result res) {
+                                        out = run_outcome{ec, res};
+                                      });
+  };
+  SUBCASE("an earlier deadline submitted later fails first") {
+    std::optional<run_outcome> slow, quick;
+    submit(to_silent(0), 60s, slow);
+    submit(to_silent(4096), 50ms, quick);
+    // Well before the first transfer's deadline.
+    REQUIRE(run_until(
+        r.io, [&] { return quick.has_value(); }, 10s));
+    CHECK(quick->ec == kvlink::errc::deadline_exceeded);
+    CHECK(quick->result.bytes == 0);
+    // The quick one's slice in flight was fenced: the silent peer's lanes
+    // closed, under the slow one too, which fails with that, not with its
+    // own deadline a minute away.
+    REQUIRE(run_until(
+        r.io, [&] { return slow.has_value(); }, 10s));
+    CHECK(slow->ec == kvlink::errc::peer_closed);
+    CHECK(slow->result.bytes == 0);
+  }
+  SUBCASE("the timer set for a transfer that completed serves the one still under way") {
+    fill(r.local_mem, 31);
+    std::optional<run_outcome> stuck, done;
+    submit(to_silent(0), 400ms, stuck);
+    submit({r.req(opcode::write, 8192, 8192, 4096)}, 150ms, done);
+    REQUIRE(run_until(
+        r.io, [&] { return done.has_value(); }, 10s));
+    REQUIRE_MESSAGE(!done->ec, done->ec.message());
+    CHECK(done->result.bytes == 4096);
+    CHECK(std::memcmp(r.local_mem.data() + 8192, r.remote_mem.data() + 8192, 4096) == 0);
+    REQUIRE(run_until(
+        r.io, [&] { return stuck.has_value(); }, 10s));
+    CHECK(stuck->ec == kvlink::errc::deadline_exceeded);
+    CHECK(stuck->result.bytes == 0);
+  }
+}
+
+TEST_CASE("a transfer after a refused, a cancelled and a notified one reports only its own") {
+  // The engine reuses a completed transfer's state for the next one (not
+  // under AddressSanitizer): nothing of the earlier ones may carry over.
+  constexpr std::size_t size = 8u << 20;
+  pair_rig r{size};
+  std::vector<kvlink::transfer_request> whole;
+  for (std::size_t off = 0; off < size; off += 1 << 20) {
+    whole.push_back(r.req(opcode::write, off, off, 1 << 20));
+  }
+  // Refused before anything moved.
+  const auto refused = r.run({r.req(opcode::write, 0, size - 10, 4096)});
+  CHECK(refused.ec == kvlink::errc::out_of_bounds);
+  // Cancelled while under way.
+  {
+    asio::cancellation_signal sig;
+    std::optional<run_outcome> out;
+    r.initiator.async_submit_transfer(
+        whole, asio::bind_cancellation_slot(sig.slot(),
+                                            [&](std::error_code ec, kvlink::transfer_result res) {
+                                              out = run_outcome{ec, res};
+                                            }));
+    sig.emit(asio::cancellation_type::terminal);
+    REQUIRE(run_until(r.io, [&] { return out.has_value(); }));
+    CHECK(out->ec == kvlink::errc::cancelled);
+  }
+  // With a notification.
+  std::optional<kvlink::notification> got;
+  r.target->async_receive_notification([&](std::error_code ec, kvlink::notification n) {
+    if (!ec) got = std::move(n);
+  });
+  kvlink::transfer_options notified;
+  notified.notify = kvlink::notification{"n", "x"};
+  const auto with_note = r.run({r.req(opcode::write, 0, 0, 4096)}, notified);
+  REQUIRE_MESSAGE(!with_note.ec, with_note.ec.message());
+  REQUIRE(run_until(r.io, [&] { return got.has_value(); }));
+  // Now a plain WRITE and READ: their own results, every byte in place.
+  fill(r.local_mem, 41);
+  const auto w = r.run(whole);
+  REQUIRE_MESSAGE(!w.ec, w.ec.message());
+  CHECK(w.result.bytes == size);
+  CHECK(w.result.requests == whole.size());
+  CHECK(w.result.slices >= whole.size());
+  CHECK(w.result.lanes >= 1);
+  CHECK(w.result.lanes <= 2);
+  CHECK(std::memcmp(r.local_mem.data(), r.remote_mem.data(), size) == 0);
+  fill(r.remote_mem, 42);
+  const auto rd = r.run({r.req(opcode::read, 0, 0, 4096)});
+  REQUIRE_MESSAGE(!rd.ec, rd.ec.message());
+  CHECK(rd.result.bytes == 4096);
+  CHECK(rd.result.requests == 1);
+  CHECK(rd.result.slices == 1);
+  CHECK(rd.result.lanes == 1);
+  CHECK(std::memcmp(r.local_mem.data(), r.remote_mem.data(), 4096) == 0);
+}
+
 TEST_CASE("cancellation: the handler gets errc::cancelled and no byte changes after it ran") {
   // What is in flight when the cancel lands must drain, not be fenced: a
   // fence closes the lanes and loses the peer, and under ThreadSanitizer on
