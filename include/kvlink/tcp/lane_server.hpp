@@ -375,15 +375,27 @@ class lane_server : public std::enable_shared_from_this<lane_server> {
     const segment_id seg{h.segment};
     std::error_code check;
     spans_.clear();
-    for (std::size_t i = 0; i < count && !check; ++i) {
-      std::byte* at = nullptr;
-      memory_desc memory;
-      check = registry_.check_remote_access(seg, pieces_[i].offset, pieces_[i].length,
-                                            write ? access::remote_write : access::remote_read, at,
-                                            memory);
+    // The segment is looked up once for the frame (the pin below catches
+    // an unregistration since); each piece is checked against it, in order.
+    const auto info = registry_.get(seg);
+    if (!info) check = errc::not_registered;
+    const access needed = write ? access::remote_write : access::remote_read;
+    for (std::size_t i = 0; info && i < count; ++i) {
+      const auto& piece = pieces_[i];
+      if (const errc e = detail::check_segment_access(info->length, info->granted, piece.offset,
+                                                      piece.length, needed);
+          e != errc{}) {
+        check = e;
+        break;
+      }
       // Staging serves device memory one frame at a time.
-      if (!check && memory.kind == memory_kind::device) check = errc::device_error;
-      spans_.push_back(span{at, static_cast<std::size_t>(pieces_[i].length)});
+      if (info->memory.kind == memory_kind::device) {
+        check = errc::device_error;
+        break;
+      }
+      spans_.push_back(
+          span{reinterpret_cast<std::byte*>(info->base + static_cast<std::uintptr_t>(piece.offset)),
+               static_cast<std::size_t>(piece.length)});
     }
     if (!check && !host_.pin(seg)) check = errc::not_registered;  // unregistered since
     if (!write) {
