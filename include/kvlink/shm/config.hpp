@@ -28,6 +28,11 @@ struct shm_config {
   /// here). Zero: never. The same bound is shared_memory::allocate's default
   /// for pre-faulting its own pages.
   std::uint64_t prefault = std::uint64_t{1} << 30;
+  /// Slices up to this size between our host memory and a peer's private
+  /// memory go through a ring the peer copies out of (shm/ring.hpp): two
+  /// memcpys on two cores instead of a cross-memory attach that pins every
+  /// page of every piece. Zero: never; at most 64 KiB (a ring slot).
+  std::uint64_t ring_max = std::uint64_t{32} << 10;
 
   friend bool operator==(const shm_config&, const shm_config&) = default;
 };
@@ -44,6 +49,10 @@ inline constexpr std::array shm_settings{
                             &shm_config::prefault,
                             "a peer's shared-memory segment up to this size is mapped with its "
                             "pages pre-faulted (0: never)"},
+    setting_row<shm_config>{"shm_ring_max", "KVLINK_SHM_RING_MAX", setting_kind::size,
+                            &shm_config::ring_max,
+                            "slices up to this size to or from a peer's private memory go "
+                            "through a ring the peer copies (0: never; at most 64 KiB)"},
 };
 
 /// The same-host transport's own rules; the first broken one is
@@ -53,6 +62,7 @@ inline std::error_code validate(const shm_config& c, std::string* what = nullptr
   if (c.lanes == 0) return fail(what, "shm_lanes: must be at least 1");
   if (c.lanes > 64) return fail(what, "shm_lanes: at most 64");
   if (c.max_copy < 4096) return fail(what, "shm_max_copy: at least 4 KiB");
+  if (c.ring_max > (64u << 10)) return fail(what, "shm_ring_max: at most 64 KiB (a ring slot)");
   return {};
 }
 

@@ -14,8 +14,11 @@
 //
 // Why cross-memory attach and not shared-memory segments: it reaches memory
 // the user already has (a torch tensor, a vLLM KV cache pool) with no
-// allocator of ours, at the speed of one memcpy (README: "Same-host
-// transfers"); shared segments would need the memory to live in them.
+// allocator of ours, at the speed of one memcpy for large slices (README:
+// "Same-host transfers"); shared segments would need the memory to live in
+// them. Small slices to private memory go through a ring instead (two
+// memcpys, one per process: the kernel's copy pins every page of every
+// piece, a third of a memcpy for scattered 4 KiB pieces).
 //
 // The protocol, over the control channel (engine.hpp's sessions):
 //   initiator -> target  {"op":"prove","nonce":"<32 hex>"}
@@ -36,8 +39,17 @@
 //   target -> initiator  {"op":"release","segment":id}   (it is being unregistered)
 //   initiator -> target  {"op":"released","segment":id}  once no copy of its
 //     lanes touches the segment any more.
-// The target's session closing (the peer died) releases its leases. A peer
-// that keeps a lease past fence_timeout is disconnected (transport::revoke).
+//   initiator -> target  {"op":"ring"}   (at its first small slice to private memory)
+//   target -> initiator  {"op":"ring","version":1,"fd":..,"size":..,"dev":..,"ino":..,
+//                         "doorbell":..,"answer":..,"slots":..,"slot_data":..,"max_pieces":..}
+//                      | {"op":"ring","error":<errc>,"why":"..."}
+//     slices of at most shm_ring_max bytes between our host memory and the
+//     peer's private memory then go through that ring (shm/ring.hpp), which
+//     the target copies in and out of inside the segments this session
+//     holds leases on; without one they go by cross-memory attach.
+// The target's session closing (the peer died) releases its leases and
+// stops its ring. A peer that keeps a lease past fence_timeout is
+// disconnected (transport::revoke).
 //
 // The peer's exit: the path watches its pidfd through the reactor and fails
 // with peer_closed when the process exits; lanes look at that before each
@@ -63,6 +75,7 @@
 #include <kvlink/shm/config.hpp>
 #include <kvlink/shm/device.hpp>
 #include <kvlink/shm/memory.hpp>
+#include <kvlink/shm/ring.hpp>
 #include <kvlink/transport/transport.hpp>
 
 #include <algorithm>
@@ -808,6 +821,10 @@ class path final : public data_path, public std::enable_shared_from_this<path> {
         spare->give(std::move(batch));
       });
     }
+    if (ring_ && !failed_) {
+      const auto r = ring_;  // a hostile answer fails the path, which lets go of it
+      r->pump();
+    }
   }
 
   std::size_t drop_queued(const detail::transfer_op* op) override {
@@ -819,7 +836,9 @@ class path final : public data_path, public std::enable_shared_from_this<path> {
       n += std::erase_if(w, [op](const auto& x) { return x.second.op == op; });
     }
     n += std::erase_if(rejects_, [op](const slice_report& r) { return r.op == op; });
-    // Batches posted to lanes resolve its slices with cancelled.
+    if (ring_) n += ring_->drop(op);
+    // Batches posted to lanes resolve its slices with cancelled; slots in
+    // the ring finish.
     return n;
   }
 
@@ -830,9 +849,15 @@ class path final : public data_path, public std::enable_shared_from_this<path> {
 
   /// A copy cannot be interrupted; each ends within one call of at most
   /// shm_max_copy bytes, after which the lane sees the transfer stopping.
+  /// Slices in the ring wait for the peer's process to copy them: one that
+  /// has not for fence_timeout no longer does (stopped, or stuck), and the
+  /// path fails as a TCP connection to it would close.
   void fence(const detail::transfer_op* op, std::error_code ec) override {
-    (void)op;
-    (void)ec;
+    if (ring_ && ring_->in_flight(op)) {
+      detail::log("shm: pid {} did not copy its ring's slots within fence_timeout: disconnecting",
+                  peer_->pid);
+      fail(ec);
+    }
   }
 
   void fail(std::error_code ec) override {
@@ -855,6 +880,7 @@ class path final : public data_path, public std::enable_shared_from_this<path> {
       for (const auto& x : w) r.push_back({x.second.op, 0, ec});
     }
     waiting_.clear();
+    if (auto ring = std::move(ring_)) ring->fail(ec);  // reports its slices itself
     leases_.clear();  // imported device memory closes once the copies holding it end
     lanes_.clear();   // posted batches hold their lane; they resolve as failed
     if (auto cb = std::move(ctx_.on_failure)) cb(ec);
@@ -866,6 +892,10 @@ class path final : public data_path, public std::enable_shared_from_this<path> {
     const auto op = body.value("op", std::string{});
     if (op == "proved") {
       proved(body);
+      return;
+    }
+    if (op == "ring") {
+      ring_granted(body);
       return;
     }
     std::uint64_t seg = 0;
@@ -928,6 +958,42 @@ class path final : public data_path, public std::enable_shared_from_this<path> {
     return true;
   }
 
+  // A peer in another process, whose descriptors we can take: it is asked
+  // for a ring; in this very process (two engines of one program) or
+  // without a pidfd, slices stay with the lanes.
+  void ask_ring() {
+    if (!proven_ || !peer_->watch.watching() ||
+        peer_->pid == static_cast<std::int64_t>(::getpid())) {
+      ring_state_ = ring_state::refused;
+      return;
+    }
+    ring_state_ = ring_state::asked;
+    ctx_.send({{"op", "ring"}});
+  }
+
+  void ring_granted(const nlohmann::json& body) {
+    if (ring_state_ != ring_state::asked) return;
+    std::string why;
+    if (const auto it = body.find("error"); it != body.end()) {
+      (void)control::get_field(body, "why", why);
+      why = "it refused (" + why.substr(0, 256) + ")";
+    } else {
+      auto fatal = [w = weak_from_this()](std::error_code ec) {
+        if (auto self = w.lock()) self->fail(ec);
+      };
+      ring_ = ring_client::open(ex_, host_, body, peer_->watch.fd(), std::move(fatal), why);
+    }
+    if (!ring_) {
+      ring_state_ = ring_state::refused;
+      detail::log(
+          "shm: no ring with pid {}: {}; small slices to its private memory use "
+          "cross-memory attach",
+          peer_->pid, why);
+      return;
+    }
+    ring_state_ = ring_state::ready;
+  }
+
   // With a device runtime, its name: the target grants device segments
   // only to a peer that can import them.
   void request(std::uint64_t seg) {
@@ -945,6 +1011,14 @@ class path final : public data_path, public std::enable_shared_from_this<path> {
       return;
     }
     copy_item c{s, l.base + s.offset, l.map, l.device, local_memory(s)};
+    if (!l.map && !l.device && c.local_memory.kind == memory_kind::host && s.length > 0 &&
+        s.length <= cfg_.ring_max && ring_state_ != ring_state::refused) {
+      if (ring_ && ring_->fits(s.length)) {
+        ring_->add(s);
+        return;
+      }
+      if (ring_state_ == ring_state::none) ask_ring();
+    }
     if (l.device) {
       c.remote = reinterpret_cast<std::uintptr_t>(l.device->base() + l.device_offset + s.offset);
       if (c.local_memory.kind == memory_kind::device) {
@@ -1229,14 +1303,23 @@ class path final : public data_path, public std::enable_shared_from_this<path> {
       }
       outbox_[i] = std::move(keep);
     }
+    if (ring_) {
+      for (const auto& s : ring_->take_segment(seg)) waiting_[seg].push_back({0, s});
+    }
     if (const auto it = waiting_.find(seg); it != waiting_.end() && !it->second.empty()) {
       request(seg);
     }
-    auto left = std::make_shared<std::atomic<std::size_t>>(lanes_.size());
+    auto left = std::make_shared<std::atomic<std::size_t>>(lanes_.size() + (ring_ ? 1 : 0));
     auto answer = [send = ctx_.send, seg] { send({{"op", "released"}, {"segment", seg}}); };
-    if (lanes_.empty()) {
+    if (lanes_.empty() && !ring_) {
       answer();
       return;
+    }
+    if (ring_) {
+      // Its slots hold pieces of any segment: those out now finish first.
+      ring_->when_through([left, answer] {
+        if (left->fetch_sub(1) == 1) answer();
+      });
     }
     for (auto& l : lanes_) {
       asio::post(l->get_executor(), [l, left, answer, ex = ex_] {
@@ -1276,6 +1359,12 @@ class path final : public data_path, public std::enable_shared_from_this<path> {
   bool failed_ = false;
   bool mapping_refused_ = false;
   std::error_code failure_;
+  // The ring for small slices to the peer's private memory: asked for at
+  // the first such slice (which, like those until it is granted, goes to
+  // the lanes), refused for good when the peer or this end cannot make one.
+  enum class ring_state { none, asked, ready, refused };
+  ring_state ring_state_ = ring_state::none;
+  std::shared_ptr<ring_client> ring_;
   std::optional<asio::posix::stream_descriptor> exit_watch_;  // last: closed first
 };
 
@@ -1307,7 +1396,18 @@ class transport final : public kvlink::transport, public std::enable_shared_from
     return {memory_kind::host};
   }
   bool local_only() const noexcept override { return true; }
-  void shutdown() override {}
+  /// Rings stop (their waits end): an io_context's run can return.
+  void shutdown() override {
+    std::vector<std::shared_ptr<ring_server>> rings;
+    {
+      std::lock_guard lock{mutex_};
+      for (auto& [s, st] : sessions_) {
+        if (st.ring) rings.push_back(std::move(st.ring));
+      }
+    }
+    for (auto& r : rings) r->stop();
+  }
+  ~transport() override { shutdown(); }
 
   nlohmann::json describe() const override {
     nlohmann::json d{
@@ -1393,6 +1493,7 @@ class transport final : public kvlink::transport, public std::enable_shared_from
       return nlohmann::json{{"op", "proved"},
                             {"at", reinterpret_cast<std::uintptr_t>(s.proof->data())}};
     }
+    if (op == "ring") return ring(session);
     const auto seg = body.find("segment");
     if (seg == body.end() || !seg->is_number_unsigned()) return std::nullopt;
     const segment_id id{seg->get<std::uint64_t>()};
@@ -1412,13 +1513,16 @@ class transport final : public kvlink::transport, public std::enable_shared_from
 
   void session_closed(const void* session) override {
     std::set<std::uint64_t> held;
+    std::shared_ptr<ring_server> ring;
     {
       std::lock_guard lock{mutex_};
       const auto it = sessions_.find(session);
       if (it == sessions_.end()) return;
       held = std::move(it->second.leases);
+      ring = std::move(it->second.ring);
       sessions_.erase(it);
     }
+    if (ring) ring->stop();
     for (const auto id : held) env_.host->unpin(segment_id{id});
   }
 
@@ -1449,7 +1553,48 @@ class transport final : public kvlink::transport, public std::enable_shared_from
   struct session_state {
     std::set<std::uint64_t> leases;
     std::unique_ptr<std::array<char, 32>> proof;  // the nonce its path sent, for it to read
+    std::shared_ptr<ring_server> ring;            // made when its path asks
   };
+
+  // The session's ring (made once): its grant, or why not. The ring copies
+  // only inside segments the session holds a lease on, each pinned while a
+  // slot's pieces touch it.
+  nlohmann::json ring(const void* session) {
+    std::lock_guard lock{mutex_};
+    auto& st = sessions_[session];
+    if (!st.ring) {
+      std::string why;
+      auto acquire = [w = weak_from_this(), session](std::uint64_t id, ring_segment& out) {
+        const auto self = w.lock();
+        return self ? self->ring_acquire(session, id, out) : errc::peer_closed;
+      };
+      auto release = [w = weak_from_this()](std::uint64_t id) {
+        if (const auto self = w.lock()) self->env_.host->unpin(segment_id{id});
+      };
+      st.ring = ring_server::make(env_.io_strand(), ring_shape{}, std::move(acquire),
+                                  std::move(release), why);
+      if (!st.ring) {
+        return nlohmann::json{
+            {"op", "ring"}, {"error", static_cast<int>(errc::transport_unavailable)}, {"why", why}};
+      }
+      st.ring->start();
+    }
+    return st.ring->grant();
+  }
+
+  errc ring_acquire(const void* session, std::uint64_t id, ring_segment& out) {
+    {
+      std::lock_guard lock{mutex_};
+      const auto it = sessions_.find(session);
+      if (it == sessions_.end() || !it->second.leases.contains(id)) return errc::not_registered;
+    }
+    const auto seg = env_.registry->get(segment_id{id});
+    if (!seg) return errc::not_registered;
+    if (seg->memory.kind != memory_kind::host) return errc::transport_unavailable;
+    if (!env_.host->pin(segment_id{id})) return errc::not_registered;
+    out = {reinterpret_cast<std::byte*>(seg->base), seg->length, seg->granted};
+    return errc{};
+  }
   // A word peers read to check they may attach and that the pid is ours.
   struct probe_word {
     std::uint64_t cookie = 0;

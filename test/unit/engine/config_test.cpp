@@ -68,6 +68,7 @@ kvlink::config all_changed() {
   c.device.staging_bytes = 64 << 20;
   c.shm.max_copy = 1 << 20;
   c.shm.prefault = 0;
+  c.shm.ring_max = 0;
   c.name = "decode-3";
   c.metadata.url = "etcd://10.0.0.1:2379,10.0.0.2:2379";
   c.metadata.prefix = "cluster-a/engines/";
@@ -89,7 +90,7 @@ TEST_CASE("config table has one consistent row per config field") {
   const auto table = kvlink::config_table();
   const json j = kvlink::to_json(kvlink::config{});
   CHECK(j.size() == table.size());
-  CHECK(table.size() == 50);  // settings of kvlink::config and its sections
+  CHECK(table.size() == 51);  // settings of kvlink::config and its sections
 
   std::set<std::string_view> names, envs;
   for (const auto& s : table) {
@@ -379,6 +380,7 @@ TEST_CASE("validate rejects what the engines cannot use") {
   rejects([](kvlink::config& c) { c.device.staging_chunk = 64 << 10; }, "staging_chunk");
   rejects([](kvlink::config& c) { c.device.staging_bytes = 1024; }, "staging_bytes");
   rejects([](kvlink::config& c) { c.shm.max_copy = 100; }, "shm_max_copy");
+  rejects([](kvlink::config& c) { c.shm.ring_max = (64u << 10) + 1; }, "shm_ring_max");
   rejects([](kvlink::config& c) { c.rdma.max_wr = 0; }, "rdma_max_wr");
   rejects([](kvlink::config& c) { c.rdma.chain = 0; }, "rdma_chain");
   for (const char* bad : {"", "localhost", ":80", "host:", "host:65536", "host:8o", "::1:80",

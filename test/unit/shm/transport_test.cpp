@@ -15,6 +15,7 @@
 #include <algorithm>
 #include <array>
 #include <atomic>
+#include <csignal>
 #include <cstring>
 #include <fstream>
 #include <functional>
@@ -253,26 +254,23 @@ struct path_rig {
   }
 };
 
-// Mappings of kvlink's shared memory in this process (/proc/self/maps).
-int memfd_mappings() {
+// Mappings in this process (/proc/self/maps) of the memfd named `name`.
+int mappings_of(const std::string& name) {
   std::ifstream maps("/proc/self/maps");
   int n = 0;
+  const std::string path = "/memfd:" + name + " ";
   for (std::string line; std::getline(maps, line);) {
-    if (line.find("/memfd:kvlink-shm") != std::string::npos) ++n;
+    if (line.find(path) != std::string::npos) ++n;
   }
   return n;
 }
 
-// Mappings of emulated device memory in this process: two per allocation
-// (where the user sees it, and its copy engine's view).
-int emulated_mappings() {
-  std::ifstream maps("/proc/self/maps");
-  int n = 0;
-  for (std::string line; std::getline(maps, line);) {
-    if (line.find("/memfd:kvlink-emulated-device") != std::string::npos) ++n;
-  }
-  return n;
-}
+// kvlink's shared memory.
+int memfd_mappings() { return mappings_of("kvlink-shm"); }
+
+// Emulated device memory: two per allocation (where the user sees it, and
+// its copy engine's view).
+int emulated_mappings() { return mappings_of("kvlink-emulated-device"); }
 
 // Device bytes [p, p + n) as host bytes, through the copy engine.
 std::vector<std::byte> device_bytes(const std::byte* p, std::size_t n) {
@@ -809,6 +807,84 @@ TEST_CASE(
   CHECK(wr.ec == kvlink::errc::transport_unavailable);
   CHECK(r.check_remote(0, 4096, 35) == "OK");  // nothing written
   CHECK(r.peer.connected());
+}
+
+// A peer's ring (shm/ring.hpp).
+int ring_mappings() { return mappings_of("kvlink-shm-ring"); }
+
+TEST_CASE("shm between two processes: small pieces to private memory go through the ring") {
+  kvlink_test::rig r{"rw", 41, "shm", {"--shared", "0"}};
+  REQUIRE(r.peer.transport() == "shm");
+  CHECK(ring_mappings() == 0);
+  // The first small piece asks for the ring (it, and those until the answer
+  // comes, go by cross-memory attach).
+  REQUIRE(!r.run({r.req(opcode::read, 0, 0, 4096)}).ec);
+  REQUIRE(run_until(r.io, [] { return ring_mappings() == 1; }));
+  // 3,000 pieces of 1 B .. 32 KiB (shm_ring_max) at odd places, in one
+  // READ: the ring's 32 slots go round dozens of times.
+  std::mt19937_64 rng{41};
+  std::vector<std::pair<std::uint64_t, std::uint64_t>> spans;
+  for (std::uint64_t at = 3; spans.size() < 3000 && at + (32u << 10) < kvlink_test::segment_size;) {
+    const std::uint64_t len = spans.size() % 3 == 0 ? 4096 : 1 + rng() % (32u << 10);
+    spans.emplace_back(at, len);
+    at += len + 1 + rng() % 9000;
+  }
+  REQUIRE(spans.size() == 3000);
+  std::vector<kvlink::transfer_request> reads, writes;
+  for (const auto& [off, len] : spans) reads.push_back(r.req(opcode::read, off, off, len));
+  std::fill(r.local_mem.begin(), r.local_mem.end(), std::byte{0});
+  const auto got = r.run(reads);
+  REQUIRE_MESSAGE(!got.ec, got.ec.message());
+  CHECK(ring_mappings() == 1);
+  for (const auto& [off, len] : spans) REQUIRE(is_pattern(r.local_mem.data() + off, len, 41, off));
+  CHECK(std::all_of(r.local_mem.begin(), r.local_mem.begin() + 3,
+                    [](std::byte b) { return b == std::byte{0}; }));
+
+  for (const auto& [off, len] : spans) {
+    fill_pattern(r.local_mem.data() + off, len, 42, off);
+    writes.push_back(r.req(opcode::write, off, off, len));
+  }
+  const auto put = r.run(writes);
+  REQUIRE_MESSAGE(!put.ec, put.ec.message());
+  std::vector<kvlink_test::rig::range> ranges;
+  for (const auto& [off, len] : spans) ranges.push_back({off, len, 42});
+  CHECK(r.check_remote(ranges) == "OK");
+  CHECK(r.check_remote(0, 3, 41) == "OK");  // before the first piece: untouched
+  CHECK(r.check_remote(spans[0].first + spans[0].second, 1, 41) == "OK");
+
+  // The target's rules hold through the ring: out of bounds, and a piece
+  // past the end among good ones fails the transfer with its own error.
+  const auto past = r.run({r.req(opcode::write, 0, kvlink_test::segment_size - 10, 20)});
+  CHECK(past.ec == kvlink::errc::out_of_bounds);
+  CHECK(r.check_remote(kvlink_test::segment_size - 10, 10, 41) == "OK");
+}
+
+TEST_CASE("shm: a ring's target that stops answering fails the transfer; it does not hang") {
+  kvlink_test::rig r{"rw", 43, "shm", {"--shared", "0"}};
+  REQUIRE(r.peer.transport() == "shm");
+  const auto warm = r.run({r.req(opcode::read, 0, 0, 4096)});  // the ring is made
+  REQUIRE(!warm.ec);
+  REQUIRE(run_until(r.io, [] { return ring_mappings() == 1; }));
+  r.child.signal(SIGSTOP);
+  std::vector<kvlink::transfer_request> reads;
+  for (std::uint64_t i = 0; i < 256; ++i)
+    reads.push_back(r.req(opcode::read, i * 8192, i * 8192, 4096));
+  std::optional<kvlink_test::outcome> out;
+  kvlink::transfer_options opts;
+  opts.deadline = std::chrono::milliseconds(300);
+  const auto t0 = std::chrono::steady_clock::now();
+  r.engine.async_submit_transfer(reads, opts, [&](std::error_code ec, kvlink::transfer_result res) {
+    out = kvlink_test::outcome{ec, res};
+  });
+  const bool ended = run_until(
+      r.io, [&] { return out.has_value(); }, 30s);
+  const auto took = std::chrono::steady_clock::now() - t0;
+  r.child.signal(SIGCONT);
+  REQUIRE(ended);
+  CHECK(out->ec == kvlink::errc::deadline_exceeded);
+  // The deadline, then fence_timeout (500 ms here) for the slots out.
+  CHECK(took < 10s);
+  MESSAGE("ended after ", std::chrono::duration<double>(took).count(), " s");
 }
 
 TEST_CASE("shm: the target's access grant holds") {
