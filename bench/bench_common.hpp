@@ -14,6 +14,7 @@
 #include <array>
 #include <cerrno>
 #include <chrono>
+#include <condition_variable>
 #include <csignal>
 #include <cstddef>
 #include <cstdint>
@@ -21,6 +22,7 @@
 #include <cstring>
 #include <functional>
 #include <memory>
+#include <mutex>
 #include <optional>
 #include <string>
 #include <string_view>
@@ -32,7 +34,9 @@
 #include <asio/executor_work_guard.hpp>
 #include <asio/io_context.hpp>
 #include <asio/posix/stream_descriptor.hpp>
+#include <asio/post.hpp>
 #include <asio/signal_set.hpp>
+#include <asio/strand.hpp>
 #include <nlohmann/json.hpp>
 #include <sys/mman.h>
 #include <sys/wait.h>
@@ -239,6 +243,11 @@ class bench_io {
   auto bind(Handler&& h) {
     return asio::bind_executor(main().get_executor(), std::forward<Handler>(h));
   }
+  /// A strand on the engine's io_context: where a bench whose handlers
+  /// submit the next transfer runs them with several threads (the case
+  /// runner), as an Asio program would, instead of a hop to main() and back
+  /// per transfer.
+  asio::strand<asio::io_context::executor_type>& handler_strand() noexcept { return strand_; }
   /// Runs main() until `done` holds.
   template <class Pred>
   void run_until(Pred done) {
@@ -259,6 +268,7 @@ class bench_io {
   unsigned threads_;
   asio::io_context engine_io_;
   asio::io_context main_io_;
+  asio::strand<asio::io_context::executor_type> strand_{engine_io_.get_executor()};
   std::optional<asio::executor_work_guard<asio::io_context::executor_type>> work_, main_work_;
   std::vector<std::thread> runners_;
 };
@@ -434,21 +444,47 @@ class case_runner {
     }
   }
 
+  /// With one thread the bench's thread runs the engine and these handlers;
+  /// with several, the handlers run on a strand of the engine's io_context
+  /// (a transfer's completion submits the next one on the thread it
+  /// completed on) and this thread waits for the last one.
   void run() {
-    start_ = clock_type::now();
-    for (std::size_t i = 0; i < batches_.size(); ++i) submit(i);
-    bio_.run_until([this] { return outstanding_ == 0; });
+    if (bio_.threads() == 1) {
+      start();
+      bio_.run_until([this] { return outstanding_ == 0; });
+      return;
+    }
+    asio::post(bio_.handler_strand(), [this] { start(); });
+    std::unique_lock lock(end_mutex_);
+    end_.wait(lock, [this] { return ended_; });
   }
 
  private:
+  void start() {
+    start_ = clock_type::now();
+    for (std::size_t i = 0; i < batches_.size(); ++i) submit(i);
+  }
+
   void submit(std::size_t i) {
     ++outstanding_;
-    eng_.async_submit_transfer(
-        batches_[i],
-        bio_.bind([this, i](std::error_code ec, transfer_result res) { on_done(i, ec, res); }));
+    auto h = [this, i](std::error_code ec, transfer_result res) { on_done(i, ec, res); };
+    if (bio_.threads() == 1) {
+      eng_.async_submit_transfer(batches_[i], bio_.bind(std::move(h)));
+    } else {
+      eng_.async_submit_transfer(batches_[i], asio::bind_executor(bio_.handler_strand(), h));
+    }
   }
 
   void on_done(std::size_t i, std::error_code ec, const transfer_result& res) {
+    on_done_impl(i, ec, res);
+    if (outstanding_ == 0 && bio_.threads() > 1) {
+      std::lock_guard lock(end_mutex_);
+      ended_ = true;
+      end_.notify_all();
+    }
+  }
+
+  void on_done_impl(std::size_t i, std::error_code ec, const transfer_result& res) {
     --outstanding_;
     const auto now = clock_type::now();
     if (ec) {
@@ -492,6 +528,9 @@ class case_runner {
   clock_type::time_point start_;
   clock_type::time_point t0_;
   double latency_ns_ = 0;
+  std::mutex end_mutex_;
+  std::condition_variable end_;
+  bool ended_ = false;
 };
 
 /// Runs one case and ends the progress line on stderr with its outcome.

@@ -264,7 +264,9 @@ void add_engine_options(CLI::App* app, engine_options& e, bool lanes) {
                 "end-to-end CRC32C of every slice's payload (config.checksums)");
   app->add_option("--threads", e.threads,
                   "threads running each side's io_context (the target child gets the same); "
-                  "TCP lanes run on strands of their own, so data moves on up to this many cores")
+                  "TCP lanes run on strands of their own, so data moves on up to this many cores; "
+                  "with more than one, sweep's handlers (each submits the next transfer) run on a "
+                  "strand of the engine's io_context, the kv table's on the bench's own thread")
       ->capture_default_str()
       ->check(CLI::Range(1u, 256u));
   if (lanes) {

@@ -56,6 +56,7 @@
 #include <asio/awaitable.hpp>
 #include <asio/cancellation_signal.hpp>
 #include <asio/co_spawn.hpp>
+#include <asio/defer.hpp>
 #include <asio/detached.hpp>
 #include <asio/execution/outstanding_work.hpp>
 #include <asio/io_context.hpp>
@@ -375,8 +376,10 @@ class engine_core final : public transport_host,
 
   void submit(std::uint64_t id, std::vector<transfer_request> reqs, transfer_options opts,
               transfer_handler h, asio::cancellation_slot slot) {
-    asio::post(strand_, [self = shared_from_this(), id, reqs = std::move(reqs),
-                         opts = std::move(opts), h = std::move(h), slot]() mutable {
+    // defer: from a handler of this io_context the transfer starts on this
+    // thread after it returns, instead of waking another thread for it.
+    asio::defer(strand_, [self = shared_from_this(), id, reqs = std::move(reqs),
+                          opts = std::move(opts), h = std::move(h), slot]() mutable {
       self->transfers_->start(id, std::move(reqs), std::move(opts), std::move(h), slot);
     });
   }

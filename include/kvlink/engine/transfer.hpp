@@ -36,6 +36,7 @@
 
 #include <asio/any_io_executor.hpp>
 #include <asio/cancellation_signal.hpp>
+#include <asio/defer.hpp>
 #include <asio/dispatch.hpp>
 #include <asio/post.hpp>
 #include <asio/steady_timer.hpp>
@@ -364,8 +365,8 @@ class transfers : public std::enable_shared_from_this<transfers> {
       for (const auto& d : done) on_slice_done(d.op, d.bytes, d.ec, d.slices);
       return;
     }
-    asio::post(strand_, [self = shared_from_this(),
-                         v = std::vector<slice_report>(done.begin(), done.end())] {
+    asio::defer(strand_, [self = shared_from_this(),
+                          v = std::vector<slice_report>(done.begin(), done.end())] {
       for (const auto& d : v) self->on_slice_done(d.op, d.bytes, d.ec, d.slices);
     });
   }
