@@ -476,15 +476,6 @@ class case_runner {
   }
 
   void on_done(std::size_t i, std::error_code ec, const transfer_result& res) {
-    on_done_impl(i, ec, res);
-    if (outstanding_ == 0 && bio_.threads() > 1) {
-      std::lock_guard lock(end_mutex_);
-      ended_ = true;
-      end_.notify_all();
-    }
-  }
-
-  void on_done_impl(std::size_t i, std::error_code ec, const transfer_result& res) {
     --outstanding_;
     const auto now = clock_type::now();
     if (ec) {
@@ -513,6 +504,11 @@ class case_runner {
     if (phase_ != phase::draining) submit(i);
     if (phase_ == phase::draining && r_.batches > 0) {
       r_.mean_latency_us = latency_ns_ / static_cast<double>(r_.batches) / 1e3;
+    }
+    if (outstanding_ == 0 && bio_.threads() > 1) {
+      std::lock_guard lock(end_mutex_);
+      ended_ = true;
+      end_.notify_all();
     }
   }
 
