@@ -25,6 +25,12 @@
 //      transport_unavailable
 //   5. the peer killed during a 48 MiB WRITE: the transfer fails with a clear
 //      error within its deadline
+//   6. a segment unregistered on the target while chained WRITEs of 4 KiB
+//      pieces go into it: the transfer in flight fails with the remote
+//      access error of the work request the target's device refused (a bad
+//      work request in mid-chain on real verbs), or, once the target's new
+//      descriptor has arrived, with not_registered; nothing hangs, and the
+//      rebuilt rails carry verified bytes to another segment right after
 #include <kvlink/rdma.hpp>
 
 #include <algorithm>
@@ -90,12 +96,36 @@ std::uint64_t counter(const std::string& dev, const char* name) {
 
 // ------------------------------------------------------------------ server
 
+// `droppable`: the segment "drop MS" unregisters MS milliseconds later
+// (scenario 6), then registers its memory `kept` again as a new segment
+// (still allocated: it is checked after, and late bytes land nowhere bad);
+// "pieces STRIDE PIECE COUNT SEED1 SEED2" asks
+// whether every byte of every piece i of it (at i * STRIDE) is that of the
+// pattern of SEED1 or of SEED2.
 asio::awaitable<void> serve_checks(kvlink::rdma_engine& eng, buffer& mem, buffer& source,
-                                   const char* tag) {
+                                   const char* tag,
+                                   std::optional<kvlink::segment_id> droppable = std::nullopt,
+                                   buffer* kept = nullptr) {
   std::map<std::string, kvlink::peer> back;  // answers go to the asking engine
   for (;;) {
     auto [ec, n] = co_await eng.async_receive_notification(aw);
     if (ec) co_return;
+    if (n.id == "drop" && droppable) {
+      const auto ms = std::strtoul(n.payload.c_str(), nullptr, 10);
+      asio::steady_timer wait(co_await asio::this_coro::executor, std::chrono::milliseconds(ms));
+      co_await wait.async_wait(aw);
+      auto [uec] = co_await eng.async_unregister_segment(*droppable, aw);
+      // The same memory again, as a new segment, for the next round.
+      const auto again =
+          eng.register_segment(kept->data, kept->size, kvlink::access::remote_read_write);
+      std::printf(
+          "server(%s): segment %llu unregistered after %lu ms: %s; registered again as %llu\n", tag,
+          static_cast<unsigned long long>(droppable->value()), ms,
+          uec ? uec.message().c_str() : "ok", static_cast<unsigned long long>(again.value()));
+      std::fflush(stdout);
+      droppable = again;
+      continue;
+    }
     if (n.id == "die") {
       std::printf("server(%s): dying on request\n", tag);
       std::fflush(stdout);
@@ -105,7 +135,7 @@ asio::awaitable<void> serve_checks(kvlink::rdma_engine& eng, buffer& mem, buffer
       std::printf("server(%s): bye\n", tag);
       std::exit(0);
     }
-    if (n.id != "check" && n.id != "push") continue;
+    if (n.id != "check" && n.id != "push" && n.id != "pieces") continue;
     std::istringstream in(n.payload);
     std::uint64_t off = 0, len = 0, seed = 0;
     in >> off >> len >> seed;
@@ -120,7 +150,37 @@ asio::awaitable<void> serve_checks(kvlink::rdma_engine& eng, buffer& mem, buffer
       p = np;
     }
     std::string verdict = "ok";
-    if (n.id == "push") {
+    if (n.id == "pieces") {
+      // off, len, seed read above: STRIDE, PIECE, COUNT; then SEED1 SEED2.
+      std::uint64_t seed1 = 0, seed2 = 0;
+      in >> seed1 >> seed2;
+      const std::uint64_t stride = off, piece = len, count = seed;
+      if (!in || kept == nullptr || piece == 0 || stride < piece || count == 0 ||
+          count > kept->size / stride) {
+        verdict = "bad request";
+      }
+      // A piece the failed transfer was writing when the segment went may
+      // hold both: its first packets landed, the rest were refused. Each
+      // byte must be one of the two.
+      std::vector<std::byte> one(piece), two(piece);
+      std::uint64_t torn = 0;
+      for (std::uint64_t i = 0; verdict == "ok" && i < count; ++i) {
+        const std::byte* at = kept->data + i * stride;
+        fill_pattern(one.data(), piece, seed1, i * stride);
+        fill_pattern(two.data(), piece, seed2, i * stride);
+        bool a = true, b = true;
+        for (std::uint64_t j = 0; j < piece; ++j) {
+          a = a && at[j] == one[j];
+          b = b && at[j] == two[j];
+          if (at[j] != one[j] && at[j] != two[j]) {
+            verdict = fmt::format("piece {} holds neither (byte {})", i, j);
+            break;
+          }
+        }
+        if (!a && !b) ++torn;
+      }
+      if (verdict == "ok" && torn > 0) verdict = fmt::format("ok, {} piece(s) torn", torn);
+    } else if (n.id == "push") {
       // WRITE the pattern of seed into the asker's first segment at off: the
       // asker is writing to us at the same moment, both paths new.
       if (!in || len > source.size) {
@@ -152,12 +212,14 @@ int run_server() {
   kvlink::rdma_engine plain{io.get_executor(), tcp_only};
   std::printf("server: %s offers %s; %s offers %s\n", rdma.local_address().c_str(),
               rdma.transports().c_str(), plain.local_address().c_str(), plain.transports().c_str());
-  buffer a(server_size), b(server_size), c(8ull << 20), d(8ull << 20);
+  buffer a(server_size), b(server_size), c(8ull << 20), d(8ull << 20), g(8ull << 20);
   rdma.register_segment(a.data, a.size, kvlink::access::remote_read_write);
   plain.register_segment(b.data, b.size, kvlink::access::remote_read_write);
   rdma.register_segment(c.data, c.size, kvlink::access::none);
   plain.register_segment(d.data, d.size, kvlink::access::none);
-  asio::co_spawn(io, serve_checks(rdma, a, c, "rdma"), asio::detached);
+  // The rdma engine's third segment: unregistered on request (scenario 6).
+  const auto dropped = rdma.register_segment(g.data, g.size, kvlink::access::remote_read_write);
+  asio::co_spawn(io, serve_checks(rdma, a, c, "rdma", dropped, &g), asio::detached);
   asio::co_spawn(io, serve_checks(plain, b, d, "tcp"), asio::detached);
   // An RDMA engine that authenticates its peers (scenario 4d).
   kvlink::config secured_cfg{.listen = self + ":17004"};
@@ -281,6 +343,125 @@ struct client {
         fmt::format("2000 x 4 KiB scattered: WRITE {} in {:.2f} s; READ back {} ({} B) in "
                     "{:.2f} s, {} of {} pieces intact",
                     verdict, wsecs, rec ? rec.message() : "ok", rr.bytes, rsecs, intact, pieces));
+  }
+
+  // 6. The target unregisters a segment while this engine WRITEs 500
+  // scattered 4 KiB pieces into it, transfer after transfer (chains of work
+  // requests, one signaled per 16; the target unregisters it 2.5 transfers'
+  // time after the first completed). The transfer in flight then fails:
+  // with the work completion of the request the target's device refused
+  // (remote access error; those before it in its chain completed, those
+  // after it are flushed), or, where the target's new descriptor arrived
+  // first, refused here with not_registered: which one comes first is a
+  // race, so three rounds (the target registers the memory again as a new
+  // segment after each) and each says which it saw. Transfer k of a round
+  // writes the pattern of its seed k % 3 (three local copies): once the
+  // failure is in, every piece of the segment must hold the last completed
+  // transfer's bytes or the failed one's (or both: a piece being written
+  // when the segment went, its first packets placed); a transfer reported complete
+  // without its bytes would leave the third seed's pieces there. After it,
+  // the same engine's next transfers to a live segment arrive whole (the
+  // rails rebuilt).
+  asio::awaitable<void> unregistered_mid_transfer() {
+    std::uint64_t gone = 0;  // the segment of the round before
+    for (std::uint64_t round = 0; round < 3; ++round) {
+      // The segment at index 2: a new one each round (the target's
+      // descriptor after its registration again).
+      for (int i = 0; i < 200; ++i) {
+        const auto segs = peer.segments();
+        if (segs.size() >= 3 && segs[2].id.value() != gone) break;
+        asio::steady_timer pause(io, 50ms);
+        co_await pause.async_wait(aw);
+      }
+      const auto segs = peer.segments();
+      if (segs.size() < 3 || segs[2].id.value() == gone) {
+        report(false, fmt::format("scenario 6, round {}: no new segment from the target ({} "
+                                  "segments)",
+                                  round, segs.size()));
+        co_return;
+      }
+      const auto g = peer.segment(2);
+      gone = segs[2].id.value();
+      co_await unregistered_round(round, g);
+    }
+    // Its descriptor has it no more (or its device refuses it): a READ from
+    // it fails too, at once.
+    std::vector<kvlink::transfer_request> one{
+        {kvlink::opcode::read, mem.data,
+         kvlink::remote_segment{peer.id(), kvlink::segment_id{gone}}, 0, 4096}};
+    kvlink::transfer_options opt;
+    opt.deadline = 20s;
+    auto [rec, rr] = co_await eng.async_submit_transfer(one, opt, aw);
+    (void)rr;
+    report(rec == kvlink::errc::not_registered ||
+               (rec.category() == kvlink::rdma::wc_status_category() &&
+                rec.value() == IBV_WC_REM_ACCESS_ERR),
+           "READ from the unregistered segment: " +
+               (rec ? rec.message() : std::string("succeeded (wrong)")));
+    // The same engine and peer, the live segment: whole, at once.
+    co_await round_trip(60ull << 20, 1ull << 20, 82);
+  }
+
+  asio::awaitable<void> unregistered_round(std::uint64_t round, kvlink::remote_segment g) {
+    constexpr std::uint64_t pieces = 500, piece = 4096, stride = 2 * piece;
+    constexpr std::uint64_t local = 48ull << 20, region = 4ull << 20;  // 3 regions here
+    const std::uint64_t seed0 = 81 + 3 * round;
+    std::array<std::vector<kvlink::transfer_request>, 3> writes;
+    for (std::uint64_t r = 0; r < 3; ++r) {
+      for (std::uint64_t i = 0; i < pieces; ++i) {
+        std::byte* at = mem.data + local + r * region + (pieces - 1 - i) * piece;
+        fill_pattern(at, piece, seed0 + r, i * stride);
+        writes[r].push_back({kvlink::opcode::write, at, g, i * stride, piece});
+      }
+    }
+    kvlink::transfer_options opt;
+    opt.deadline = 20s;
+    std::error_code failed;
+    std::uint64_t done = 0;
+    auto t0 = std::chrono::steady_clock::now();
+    const auto since = [&] {
+      return std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+    };
+    // One transfer first (its time sets when the target unregisters: in
+    // the middle of a later one), then the rest back to back.
+    bool asked = false;
+    while (done < 20000 && since() < 60.0) {
+      auto [ec, r] = co_await eng.async_submit_transfer(writes[done % 3], opt, aw);
+      if (!ec && r.bytes != pieces * piece) ec = kvlink::errc::malformed_message;
+      if (ec) {
+        failed = ec;
+        break;
+      }
+      ++done;
+      if (!asked) {
+        const auto ms = static_cast<long>(since() * 1000 * 2.5) + 1;
+        kvlink::notification drop{"drop", std::to_string(ms)};
+        co_await eng.async_send_notification(peer, std::move(drop), aw);
+        asked = true;
+        t0 = std::chrono::steady_clock::now();
+      }
+    }
+    const double secs = since();
+    const bool refused_there = failed.category() == kvlink::rdma::wc_status_category() &&
+                               failed.value() == IBV_WC_REM_ACCESS_ERR;
+    const bool refused_here = failed == kvlink::errc::not_registered;
+    // Named, not a temporary inside co_await (g++ 12).
+    kvlink::notification ask{"pieces", fmt::format("{} {} {} {} {}", stride, piece, pieces,
+                                                   seed0 + (done - 1) % 3, seed0 + done % 3)};
+    auto [sec] = co_await eng.async_send_notification(peer, std::move(ask), aw);
+    auto [rec, n] = co_await eng.async_receive_notification(aw);
+    const std::string bytes = sec   ? "send failed: " + sec.message()
+                              : rec ? "no answer: " + rec.message()
+                                    : n.payload;
+    report((refused_there || refused_here) && bytes.starts_with("ok"),
+           fmt::format("segment unregistered on the target during chained 4 KiB WRITEs into it "
+                       "(round {}): {} transfers of {} pieces completed, then {} ({}) after "
+                       "{:.2f} s; the target's pieces: {}",
+                       round + 1, done, pieces, failed ? failed.message() : "none failed (wrong)",
+                       refused_there  ? "its device refused a work request"
+                       : refused_here ? "refused here: the target's new descriptor"
+                                      : "unexpected",
+                       secs, bytes));
   }
 
   asio::awaitable<void> run() {
@@ -551,6 +732,8 @@ struct client {
                          bad.size(), rejected, hec ? " (" + hec.message() + ")" : ""));
       co_await round_trip(4ull << 20, 64ull << 10, 43);  // the server still serves
     }
+    // 6 (before 5, which ends the server).
+    co_await unregistered_mid_transfer();
     // 5. The peer dies during a transfer.
     {
       const std::uint64_t len = 48ull << 20;
