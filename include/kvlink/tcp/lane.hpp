@@ -44,6 +44,7 @@
 #include <kvlink/core/error.hpp>
 #include <kvlink/detail/log.hpp>
 #include <kvlink/tcp/frame.hpp>
+#include <kvlink/tcp/receive.hpp>
 #include <kvlink/transport/transport.hpp>
 
 #include <algorithm>
@@ -114,6 +115,9 @@ class lane final : public std::enable_shared_from_this<lane> {
   static constexpr std::size_t recv_capacity = 64u << 10;
   /// Slices at most this long may travel in vector frames.
   static constexpr std::uint64_t vector_piece = 64u << 10;
+  /// The most bytes the receive of a READ payload waits for before it
+  /// wakes (SO_RCVLOWAT: tcp/receive.hpp).
+  static constexpr std::size_t low_water = 256u << 10;
 
   using broken_fn = std::function<void(std::deque<slice_ref>)>;
 
@@ -468,47 +472,47 @@ class lane final : public std::enable_shared_from_this<lane> {
     // Reported once the rest arrived: the acknowledgements before it now.
     flush_done();
     receiving_ = true;
-    asio::async_read(socket_, scatter_,
-                     [self = shared_from_this(), crc = h.checksum, in_buf, head_crc](
-                         std::error_code rec, std::size_t) {
-                       self->receiving_ = false;
-                       if (self->failed_) return;
-                       const sent_frame front = self->frames_.front();
-                       if (is_bad_address(rec)) {  // a destination of the READ being received
-                         self->local_fault(front.count == 1 ? &front.tag : nullptr);
-                         return;
-                       }
-                       if (rec) {
-                         self->fail(control::map_socket_error(rec));
-                         return;
-                       }
-                       self->frames_.pop_front();
-                       // With a checksum, a corrupted payload is never reported as read
-                       // (its bytes are in place, though).
-                       bool bad = false;
-                       if (front.checksum) {
-                         std::uint32_t c = head_crc;
-                         std::size_t skip = in_buf;
-                         for (std::size_t k = 0; k < front.count; ++k) {
-                           const slice_ref& s = self->inflight_[k];
-                           const auto n = static_cast<std::size_t>(s.length);
-                           const std::size_t from = std::min(skip, n);
-                           c = crc32c(s.local + from, n - from, c);
-                           skip -= from;
-                         }
-                         bad = c != crc;
-                       }
-                       for (std::size_t k = 0; k < front.count; ++k) {
-                         const slice_ref s = self->inflight_.front();
-                         self->inflight_.pop_front();
-                         add_report(
-                             self->done_, s.op, bad ? 0 : s.length,
-                             bad ? std::error_code{errc::checksum_mismatch} : std::error_code{});
-                       }
-                       self->flush_done();
-                       self->pump();
-                       self->receive();
-                     });
+    // Woken once per low_water bytes, not per segment (tcp/receive.hpp).
+    receive_all(
+        socket_, scatter_, 0, total_size(scatter_), mark_, low_water,
+        [self = shared_from_this(), crc = h.checksum, in_buf, head_crc](std::error_code rec) {
+          self->receiving_ = false;
+          if (self->failed_) return;
+          const sent_frame front = self->frames_.front();
+          if (is_bad_address(rec)) {  // a destination of the READ being received
+            self->local_fault(front.count == 1 ? &front.tag : nullptr);
+            return;
+          }
+          if (rec) {
+            self->fail(control::map_socket_error(rec));
+            return;
+          }
+          self->frames_.pop_front();
+          // With a checksum, a corrupted payload is never reported as read
+          // (its bytes are in place, though).
+          bool bad = false;
+          if (front.checksum) {
+            std::uint32_t c = head_crc;
+            std::size_t skip = in_buf;
+            for (std::size_t k = 0; k < front.count; ++k) {
+              const slice_ref& s = self->inflight_[k];
+              const auto n = static_cast<std::size_t>(s.length);
+              const std::size_t from = std::min(skip, n);
+              c = crc32c(s.local + from, n - from, c);
+              skip -= from;
+            }
+            bad = c != crc;
+          }
+          for (std::size_t k = 0; k < front.count; ++k) {
+            const slice_ref s = self->inflight_.front();
+            self->inflight_.pop_front();
+            add_report(self->done_, s.op, bad ? 0 : s.length,
+                       bad ? std::error_code{errc::checksum_mismatch} : std::error_code{});
+          }
+          self->flush_done();
+          self->pump();
+          self->receive();
+        });
   }
 
   void on_headers(std::error_code ec, std::size_t n) {
@@ -644,6 +648,7 @@ class lane final : public std::enable_shared_from_this<lane> {
   vector_limits vectors_;
   std::vector<std::uint64_t> no_vector_;       // segments served a frame at a time
   std::vector<asio::mutable_buffer> scatter_;  // the rest of a READ payload being received
+  low_water_mark mark_;                        // the socket's SO_RCVLOWAT
   std::vector<slice_report> done_;   // acknowledged or read, reported at the end of on_headers
   std::vector<placed_read> copies_;  // READ payloads received, to copy into place
   std::vector<std::byte> recv_buf_;  // responses received, recv_capacity bytes

@@ -58,6 +58,7 @@
 #include <kvlink/memory/device.hpp>
 #include <kvlink/memory/staging.hpp>
 #include <kvlink/tcp/frame.hpp>
+#include <kvlink/tcp/receive.hpp>
 #include <kvlink/transport/transport.hpp>
 
 #include <algorithm>
@@ -97,6 +98,9 @@ class lane_server : public std::enable_shared_from_this<lane_server> {
   static constexpr std::uint64_t small_frame = 16u << 10;
   /// Bytes of the longest piece table.
   static constexpr std::size_t max_table = max_vector_pieces * piece_entry_size;
+  /// The most bytes a vector WRITE's receive waits for before it wakes
+  /// (SO_RCVLOWAT: tcp/receive.hpp).
+  static constexpr std::size_t low_water = 256u << 10;
 
   /// `lease` (optional) is held until the connection closes. `staging`
   /// (null: no device runtime) serves frames on device segments.
@@ -259,9 +263,16 @@ class lane_server : public std::enable_shared_from_this<lane_server> {
       done(std::error_code{});
       return;
     }
-    asio::async_read(
-        socket_, asio::buffer(dst + from, n - from),
-        [done = std::move(done)](std::error_code ec, std::size_t) mutable { done(ec); });
+    if (n - from <= small_frame) {  // a table, or a short rest: no mark
+      asio::async_read(
+          socket_, asio::buffer(dst + from, n - from),
+          [done = std::move(done)](std::error_code ec, std::size_t) mutable { done(ec); });
+      return;
+    }
+    // A payload: woken once per low_water bytes (tcp/receive.hpp).
+    scatter_.clear();
+    scatter_.emplace_back(dst + from, n - from);
+    receive_all(socket_, scatter_, 0, n - from, mark_, low_water, std::move(done));
   }
 
   void on_header(std::error_code ec) {
@@ -449,10 +460,13 @@ class lane_server : public std::enable_shared_from_this<lane_server> {
     }
     scatter_.clear();
     scatter_.emplace_back(spans_[i].data + part, spans_[i].length - part);
-    for (++i; i < spans_.size(); ++i) scatter_.emplace_back(spans_[i].data, spans_[i].length);
-    asio::async_read(
-        socket_, scatter_,
-        [done = std::move(done)](std::error_code ec, std::size_t) mutable { done(ec); });
+    std::size_t rest = scatter_.back().size();
+    for (++i; i < spans_.size(); ++i) {
+      scatter_.emplace_back(spans_[i].data, spans_[i].length);
+      rest += spans_[i].length;
+    }
+    // Woken once per low_water bytes, not per segment (tcp/receive.hpp).
+    receive_all(socket_, scatter_, 0, rest, mark_, low_water, std::move(done));
   }
 
   // Answers a vector READ whose pieces (spans_) passed: one header, the
@@ -797,6 +811,7 @@ class lane_server : public std::enable_shared_from_this<lane_server> {
   std::array<frame_piece, max_vector_pieces> pieces_{};
   std::vector<span> spans_;                    // its pieces, checked
   std::vector<asio::mutable_buffer> scatter_;  // the part of them a receive fills
+  low_water_mark mark_;                        // the socket's SO_RCVLOWAT
   segment_id pinned_read_segment_{};
   std::shared_ptr<staged> incoming_;  // a staged WRITE whose payload is being read
   bool pinned_read_ = false;
