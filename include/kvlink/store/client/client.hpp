@@ -770,7 +770,8 @@ class client_state : public std::enable_shared_from_this<client_state> {
   asio::awaitable<result<>> close_op() { co_return result<>{co_await close()}; }
   asio::awaitable<result<>> put_op(put_batch_args a, bool ok) {
     if (!ok) co_return result<>{make_error_code(errc::invalid_argument)};
-    co_return result<>{co_await put(std::move(a))};
+    const auto results = a.results;
+    co_return result<>{interrupted(co_await put(std::move(a)), results)};
   }
   asio::awaitable<result<>> put_one(put_batch_args a) {
     std::error_code r;
@@ -780,7 +781,17 @@ class client_state : public std::enable_shared_from_this<client_state> {
   }
   asio::awaitable<result<>> get_op(get_batch_args a, bool ok) {
     if (!ok) co_return result<>{make_error_code(errc::invalid_argument)};
-    co_return result<>{co_await get(std::move(a))};
+    const auto results = a.results;
+    co_return result<>{interrupted(co_await get(std::move(a)), results)};
+  }
+  // A batch that the client's close cut short fails as a whole with
+  // cancelled (as a call that starts after it does), not with keys failed
+  // one by one; one that finished before the close stands.
+  std::error_code interrupted(std::error_code ec, std::span<const std::error_code> results) const {
+    if (ec || !closed_) return ec;
+    const bool cut = std::any_of(results.begin(), results.end(),
+                                 [](const std::error_code& r) { return static_cast<bool>(r); });
+    return cut ? make_error_code(errc::cancelled) : ec;
   }
   asio::awaitable<result<std::uint64_t>> get_one(get_batch_args a) {
     std::error_code r;
@@ -2164,7 +2175,8 @@ class client {
 
   /// Unmounts this client's segments (their objects leave the pool),
   /// unregisters them from the engine and closes the connection; pending
-  /// operations fail with cancelled. Signature: void(std::error_code).
+  /// operations fail with cancelled (a batch the close cuts short as a
+  /// whole, not key by key). Signature: void(std::error_code).
   template <class Token = asio::default_completion_token_t<executor_type>>
   auto async_close(Token&& token = Token{}) {
     return run<void(std::error_code)>(std::forward<Token>(token),
