@@ -457,18 +457,19 @@ TEST_SUITE("etcd") {
 
     // The owner runs: an overwrite and a delete are each undone within the
     // lease TTL (2 s; it looks at its key through the watch, or with each
-    // keepalive, a TTL/3 apart). Asserted with a second of slack: under the
-    // sanitizers on a busy 2-core machine it once took 2.01 s. The messages
-    // say how long it took.
+    // keepalive, a TTL/3 apart). Asserted with slack, three TTLs: under
+    // AddressSanitizer on a busy 2-core machine it took 2.01 s once and
+    // 3.01 s once (2026-11-28, fault.proxy running beside it; the test now
+    // runs alone, RUN_SERIAL). The messages say how long it took.
     forge();
     auto t0 = std::chrono::steady_clock::now();
-    CHECK(back_within(3s));
+    CHECK(back_within(6s));
     MESSAGE("signed entry back " << seconds_since(t0) << " s after an unsigned overwrite");
     nlohmann::json out;
     REQUIRE_FALSE(
         etcd_call(etcd.endpoint(0), "/v3/kv/deleterange", {{"key", base64_encode(key)}}, out));
     t0 = std::chrono::steady_clock::now();
-    CHECK(back_within(3s));
+    CHECK(back_within(6s));
     MESSAGE("signed entry back " << seconds_since(t0) << " s after a delete");
 
     // The owner cannot answer (stopped): a lookup finds the unsigned entry
