@@ -115,9 +115,6 @@ class lane final : public std::enable_shared_from_this<lane> {
   static constexpr std::size_t recv_capacity = 64u << 10;
   /// Slices at most this long may travel in vector frames.
   static constexpr std::uint64_t vector_piece = 64u << 10;
-  /// The most bytes the receive of a READ payload waits for before it
-  /// wakes (SO_RCVLOWAT: tcp/receive.hpp).
-  static constexpr std::size_t low_water = 256u << 10;
 
   using broken_fn = std::function<void(std::deque<slice_ref>)>;
 
@@ -451,6 +448,7 @@ class lane final : public std::enable_shared_from_this<lane> {
   void receive_rest(const frame_header& h, const sent_frame& f, const std::byte* head,
                     std::size_t in_buf) {
     scatter_.clear();
+    std::size_t rest = 0;  // bytes still to receive
     std::size_t left = in_buf;
     const std::byte* at = head;
     for (std::size_t k = 0; k < f.count; ++k) {
@@ -459,7 +457,10 @@ class lane final : public std::enable_shared_from_this<lane> {
       if (n > 0) copies_.push_back(placed_read{s, at, n, false, 0, false, false});
       at += n;
       left -= n;
-      if (n < s.length) scatter_.emplace_back(s.local + n, static_cast<std::size_t>(s.length) - n);
+      if (n < s.length) {
+        scatter_.emplace_back(s.local + n, static_cast<std::size_t>(s.length) - n);
+        rest += scatter_.back().size();
+      }
     }
     // The checksum of the part that came, continued over the rest.
     const std::uint32_t head_crc = f.checksum ? crc32c(head, in_buf) : 0;
@@ -474,7 +475,7 @@ class lane final : public std::enable_shared_from_this<lane> {
     receiving_ = true;
     // Woken once per low_water bytes, not per segment (tcp/receive.hpp).
     receive_all(
-        socket_, scatter_, 0, total_size(scatter_), mark_, low_water,
+        socket_, scatter_, 0, rest, mark_,
         [self = shared_from_this(), crc = h.checksum, in_buf, head_crc](std::error_code rec) {
           self->receiving_ = false;
           if (self->failed_) return;

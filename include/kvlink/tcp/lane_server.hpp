@@ -98,9 +98,6 @@ class lane_server : public std::enable_shared_from_this<lane_server> {
   static constexpr std::uint64_t small_frame = 16u << 10;
   /// Bytes of the longest piece table.
   static constexpr std::size_t max_table = max_vector_pieces * piece_entry_size;
-  /// The most bytes a vector WRITE's receive waits for before it wakes
-  /// (SO_RCVLOWAT: tcp/receive.hpp).
-  static constexpr std::size_t low_water = 256u << 10;
 
   /// `lease` (optional) is held until the connection closes. `staging`
   /// (null: no device runtime) serves frames on device segments.
@@ -272,7 +269,7 @@ class lane_server : public std::enable_shared_from_this<lane_server> {
     // A payload: woken once per low_water bytes (tcp/receive.hpp).
     scatter_.clear();
     scatter_.emplace_back(dst + from, n - from);
-    receive_all(socket_, scatter_, 0, n - from, mark_, low_water, std::move(done));
+    receive_all(socket_, scatter_, 0, n - from, mark_, std::move(done));
   }
 
   void on_header(std::error_code ec) {
@@ -466,7 +463,7 @@ class lane_server : public std::enable_shared_from_this<lane_server> {
       rest += spans_[i].length;
     }
     // Woken once per low_water bytes, not per segment (tcp/receive.hpp).
-    receive_all(socket_, scatter_, 0, rest, mark_, low_water, std::move(done));
+    receive_all(socket_, scatter_, 0, rest, mark_, std::move(done));
   }
 
   // Answers a vector READ whose pieces (spans_) passed: one header, the

@@ -56,6 +56,9 @@ class low_water_mark {
   std::size_t cap_ = 0;  // 0: not known yet
 };
 
+/// The most bytes one receive of a payload waits for before it wakes.
+inline constexpr std::size_t low_water = 256u << 10;
+
 /// Receives `rest` bytes into `bufs` from index `at` on (the buffer there
 /// advanced past what arrives), each receive waiting for at most
 /// `low_water` bytes, then sets the mark back to 1 and calls done(ec) from
@@ -65,11 +68,11 @@ class low_water_mark {
 /// error at once, the mark left as it is (the socket is done with).
 template <class Socket, class Done>
 void receive_all(Socket& s, std::vector<asio::mutable_buffer>& bufs, std::size_t at,
-                 std::size_t rest, low_water_mark& mark, std::size_t low_water, Done done) {
+                 std::size_t rest, low_water_mark& mark, Done done) {
   mark.set(s, std::min(rest, low_water));
   s.async_read_some(std::span<const asio::mutable_buffer>(bufs).subspan(at),
-                    [&s, &bufs, &mark, at, rest, low_water, done = std::move(done)](
-                        std::error_code ec, std::size_t n) mutable {
+                    [&s, &bufs, &mark, at, rest, done = std::move(done)](std::error_code ec,
+                                                                         std::size_t n) mutable {
                       if (ec || n >= rest) {
                         if (!ec) mark.set(s, 1);
                         done(ec);
@@ -85,15 +88,8 @@ void receive_all(Socket& s, std::vector<asio::mutable_buffer>& bufs, std::size_t
                         n -= b.size();
                         ++at;
                       }
-                      receive_all(s, bufs, at, rest, mark, low_water, std::move(done));
+                      receive_all(s, bufs, at, rest, mark, std::move(done));
                     });
-}
-
-/// The bytes of `bufs`.
-inline std::size_t total_size(const std::vector<asio::mutable_buffer>& bufs) noexcept {
-  std::size_t n = 0;
-  for (const auto& b : bufs) n += b.size();
-  return n;
 }
 
 }  // namespace kvlink::tcp

@@ -79,7 +79,7 @@ TEST_CASE("receive_all: scattered pieces from a slow sender, all in place, the m
   kvlink::tcp::low_water_mark mark;
   bool done = false;
   std::error_code result;
-  kvlink::tcp::receive_all(p.in, bufs, 0, total, mark, 256u << 10, [&](std::error_code ec) {
+  kvlink::tcp::receive_all(p.in, bufs, 0, total, mark, [&](std::error_code ec) {
     result = ec;
     done = true;
   });
@@ -117,7 +117,7 @@ TEST_CASE("receive_all: the end of the stream ends it with eof") {
   kvlink::tcp::low_water_mark mark;
   bool done = false;
   std::error_code result;
-  kvlink::tcp::receive_all(p.in, bufs, 0, dst.size(), mark, 256u << 10, [&](std::error_code ec) {
+  kvlink::tcp::receive_all(p.in, bufs, 0, dst.size(), mark, [&](std::error_code ec) {
     result = ec;
     done = true;
   });
@@ -140,7 +140,7 @@ TEST_CASE("receive_all: a destination that is not memory ends it with EFAULT") {
   kvlink::tcp::low_water_mark mark;
   bool done = false;
   std::error_code result;
-  kvlink::tcp::receive_all(p.in, bufs, 0, 100 + page, mark, 256u << 10, [&](std::error_code ec) {
+  kvlink::tcp::receive_all(p.in, bufs, 0, 100 + page, mark, [&](std::error_code ec) {
     result = ec;
     done = true;
   });
