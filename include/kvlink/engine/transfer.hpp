@@ -274,21 +274,38 @@ class transfers : public std::enable_shared_from_this<transfers> {
         return;
       }
       op->result.slices += stats.slices;
+      auto ref_of = [&](const slice& s) {
+        return slice_ref{op,
+                         reinterpret_cast<std::byte*>(s.local_addr),
+                         s.length,
+                         s.remote_segment.value(),
+                         s.remote_offset,
+                         s.op,
+                         0,
+                         s.local_segment.value(),
+                         checksum};
+      };
+      // A small group the path can move right here (shm into mapped shared
+      // memory) is moved before anything else runs on this strand: no slice
+      // of it is queued, reported or counted down.
+      if (!device_memory && !checksum && stats.bytes <= g.p->path->copy_now_max()) {
+        auto& refs = scratch_.refs;
+        refs.clear();
+        for (const auto& s : slices) refs.push_back(ref_of(s));
+        if (const auto moved = g.p->path->copy_now(refs)) {
+          op->result.bytes += *moved;
+          op->result.lanes += stats.lanes_used;
+          if (op->notify) op->peers.push_back(std::move(g.p));  // told once all is done
+          continue;
+        }
+      }
       op->peers.push_back(g.p);
       op->paths.push_back(g.p->path);
       auto& used = scratch_.lanes_used;
       used.assign(g.p->path->lane_weights().size(), 0);
       const bool stage = device_memory && staging_;
       for (const auto& s : slices) {
-        const slice_ref ref{op,
-                            reinterpret_cast<std::byte*>(s.local_addr),
-                            s.length,
-                            s.remote_segment.value(),
-                            s.remote_offset,
-                            s.op,
-                            0,
-                            s.local_segment.value(),
-                            checksum};
+        const slice_ref ref = ref_of(s);
         ++op->pending;
         if (used[s.lane] == 0) {
           used[s.lane] = 1;
@@ -306,7 +323,7 @@ class transfers : public std::enable_shared_from_this<transfers> {
         g.p->path->enqueue(s.lane, ref);
       }
     }
-    if (op->pending == 0) {  // an empty batch
+    if (op->pending == 0) {  // an empty batch, or every group moved right here
       complete(op);
       return;
     }
@@ -771,6 +788,7 @@ class transfers : public std::enable_shared_from_this<transfers> {
     std::vector<destination_range> ranges;
     std::vector<group> groups;  // empty between transfers
     std::vector<char> lanes_used;
+    std::vector<slice_ref> refs;  // a group offered to copy_now()
   };
   scratch scratch_;
   using op_map = std::unordered_map<std::uint64_t, std::unique_ptr<transfer_op>>;

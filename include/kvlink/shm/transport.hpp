@@ -790,6 +790,48 @@ class path final : public data_path, public std::enable_shared_from_this<path> {
     if (w.size() == 1 && proven_) request(s.segment);
   }
 
+  std::uint64_t copy_now_max() const noexcept override { return inline_copy; }
+
+  /// Slices into or out of the peer's shared memory, mapped here under a
+  /// lease we hold, each inside it: copied at once, as a lane would, without
+  /// the hops to it and back. Anything else (no lease yet, private or device
+  /// memory, a bound or access a slice breaks, a failed path) leaves all of
+  /// them to enqueue(), which reports what is wrong.
+  std::optional<std::uint64_t> copy_now(std::span<const slice_ref> slices) override {
+    if (failed_ || peer_->failed.load(std::memory_order_acquire)) return std::nullopt;
+    std::uint64_t bytes = 0;
+    const lease* l = nullptr;
+    std::uint64_t seg = 0;
+    for (const auto& s : slices) {
+      if (l == nullptr || s.segment != seg) {
+        const auto it = leases_.find(s.segment);
+        if (it == leases_.end() || !it->second.map || it->second.device) return std::nullopt;
+        l = &it->second;
+        seg = s.segment;
+      }
+      const errc e = detail::check_segment_access(
+          l->length, l->granted, s.offset, s.length,
+          s.kind == opcode::read ? access::remote_read : access::remote_write);
+      if (e != errc{} || s.length > inline_copy - bytes) return std::nullopt;
+      bytes += s.length;
+    }
+    std::byte* base = nullptr;
+    std::uint64_t mapped = 0;
+    for (const auto& s : slices) {
+      if (base == nullptr || s.segment != mapped) {
+        base = leases_.find(s.segment)->second.map->segment();
+        mapped = s.segment;
+      }
+      std::byte* there = base + s.offset;
+      if (s.kind == opcode::read) {
+        std::memcpy(s.local, there, static_cast<std::size_t>(s.length));
+      } else {
+        std::memcpy(there, s.local, static_cast<std::size_t>(s.length));
+      }
+    }
+    return bytes;
+  }
+
   void pump() override {
     if (!rejects_.empty()) {
       auto r = std::move(rejects_);

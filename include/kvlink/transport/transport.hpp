@@ -154,6 +154,19 @@ class data_path {
   virtual std::uint64_t device_slice_size(std::uint64_t configured) const noexcept {
     return configured;
   }
+  /// Groups of at most this many bytes may be offered to copy_now() (0:
+  /// this path copies nothing on the engine's strand by itself).
+  virtual std::uint64_t copy_now_max() const noexcept { return 0; }
+  /// Moves `slices` (one transfer's, host memory on this side, no checksum)
+  /// right here, on the engine's strand, when this path can move every one
+  /// of them at once without waiting (shm: memcpy into the peer's mapped
+  /// shared memory): returns their bytes, and the transfer counts them as
+  /// done. nullopt: it cannot; nothing was moved, and the slices take the
+  /// usual way (enqueue(), pump(), slice_done).
+  virtual std::optional<std::uint64_t> copy_now(std::span<const slice_ref> slices) {
+    (void)slices;
+    return std::nullopt;
+  }
   /// Starts receiving (once, after the path was made).
   virtual void start() = 0;
   /// Queues a slice on a lane; pump() sends what the lanes' windows allow.

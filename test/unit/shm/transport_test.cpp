@@ -483,6 +483,78 @@ TEST_CASE("shm path: a peer's shared memory is mapped, checked, copied with memc
   CHECK(is_pattern(peer_mem.data() + 4096 + 100, 300, 21, 100));
 }
 
+TEST_CASE("shm path: copy_now moves a small group into mapped shared memory at once, or nothing") {
+  path_rig r;
+  std::array<char, 32> nonce{};
+  r.prove(nonce);
+  auto peer_mem = kvlink::shm::shared_memory::allocate(1 << 20);
+  std::vector<std::byte> mine(96u << 10);
+  fill_pattern(mine.data(), mine.size(), 31, 0);
+  const auto& reg = peer_mem.region();
+  auto grant = [&](std::uint64_t seg, std::uint64_t length, const char* acc, std::uint64_t ino) {
+    return json{{"op", "granted"},  {"segment", seg}, {"base", reg.base},
+                {"length", length}, {"access", acc},  {"fd", static_cast<std::uint64_t>(reg.fd)},
+                {"fd_offset", 0u},  {"dev", reg.dev}, {"ino", ino}};
+  };
+  auto slice = [&](opcode k, std::uint64_t seg, std::uint64_t off, std::uint64_t len) {
+    return make_slice(1, k, mine.data(), seg, off, len);
+  };
+  CHECK(r.p->copy_now_max() == kvlink::shm::inline_copy);
+
+  // No lease yet: nothing moves, and nothing was asked for.
+  std::vector<kvlink::slice_ref> group{slice(opcode::write, 4, 3, 1000)};
+  CHECK(!r.p->copy_now(group));
+  CHECK(r.sent.size() == 1);  // the proof only
+
+  r.p->on_message(grant(4, 64u << 10, "rw", reg.ino));
+  r.p->on_message(grant(5, 64u << 10, "r", reg.ino));       // read-only
+  r.p->on_message(grant(6, 64u << 10, "rw", reg.ino + 1));  // another file: not mapped
+  // WRITEs at odd offsets and a READ back, in one group: all at once.
+  std::memset(peer_mem.data(), 0, 64u << 10);
+  group = {slice(opcode::write, 4, 3, 1000), slice(opcode::write, 4, 5000, 4096),
+           slice(opcode::write, 4, 20001, 7)};
+  const auto moved = r.p->copy_now(group);
+  REQUIRE(moved);
+  CHECK(*moved == 1000 + 4096 + 7);
+  CHECK(is_pattern(peer_mem.data() + 3, 1000, 31, 3));
+  CHECK(is_pattern(peer_mem.data() + 5000, 4096, 31, 5000));
+  CHECK(is_pattern(peer_mem.data() + 20001, 7, 31, 20001));
+  CHECK(peer_mem.data()[1003] == std::byte{0});  // between them: untouched
+  CHECK(r.u.host.done.empty());                  // nothing reported: the caller counts it
+  fill_pattern(peer_mem.data() + 30000, 2000, 32, 30000);
+  group = {slice(opcode::read, 4, 30000, 2000)};
+  REQUIRE(r.p->copy_now(group) == std::optional<std::uint64_t>{2000});
+  CHECK(is_pattern(mine.data() + 30000, 2000, 32, 30000));
+  fill_pattern(mine.data(), mine.size(), 31, 0);
+
+  // One slice it cannot move leaves the whole group untouched, for enqueue()
+  // to report: past the lease, into a read-only lease, into memory not
+  // mapped here, into a segment not leased, or more than copy_now_max bytes.
+  std::memset(peer_mem.data(), 0, 64u << 10);
+  const std::vector<std::vector<kvlink::slice_ref>> refused{
+      {slice(opcode::write, 4, 0, 100), slice(opcode::write, 4, (64u << 10) - 10, 11)},
+      {slice(opcode::write, 4, 0, 100), slice(opcode::write, 5, 200, 10)},
+      {slice(opcode::write, 4, 0, 100), slice(opcode::write, 6, 200, 10)},
+      {slice(opcode::write, 4, 0, 100), slice(opcode::write, 7, 200, 10)},
+      {slice(opcode::write, 4, 0, 32u << 10), slice(opcode::write, 4, 32u << 10, 32u << 10),
+       slice(opcode::write, 4, 0, 1)}};
+  for (const auto& g : refused) {
+    CHECK(!r.p->copy_now(g));
+    CHECK(peer_mem.data()[0] == std::byte{0});
+  }
+  // Exactly copy_now_max is fine; a READ from the read-only lease too.
+  group = {slice(opcode::write, 4, 0, 32u << 10), slice(opcode::write, 4, 32u << 10, 32u << 10)};
+  CHECK(r.p->copy_now(group) == std::optional<std::uint64_t>{64u << 10});
+  CHECK(is_pattern(peer_mem.data(), 64u << 10, 31, 0));
+  group = {slice(opcode::read, 5, 100, 50)};
+  CHECK(r.p->copy_now(group) == std::optional<std::uint64_t>{50});
+
+  // A failed path moves nothing.
+  r.p->fail(kvlink::errc::peer_closed);
+  group = {slice(opcode::write, 4, 0, 10)};
+  CHECK(!r.p->copy_now(group));
+}
+
 TEST_CASE("shm target: a device segment is granted, exported, to a peer of the same runtime only") {
   auto rt = kvlink::emulated_device::get();
   unit_rig r{rt};
@@ -747,6 +819,47 @@ TEST_CASE("shm between two processes: WRITE and READ at odd offsets, bytes check
   CHECK(past.ec == kvlink::errc::out_of_bounds);
   const auto wrap = r.run({r.req(opcode::read, 0, ~std::uint64_t{0} - 1, 4)});
   CHECK(wrap.ec == kvlink::errc::out_of_bounds);
+
+  // Small groups, scattered odd pieces of at most 64 KiB in all: into shared
+  // memory they move on the engine's strand at once (copy_now), into private
+  // memory through the ring; bytes and results the same either way.
+  for (int round = 0; round < 20; ++round) {
+    std::vector<std::pair<std::uint64_t, std::uint64_t>> pieces;
+    std::uint64_t total = 0;
+    std::uint64_t pos = 1 + rng() % 4096;
+    const int count = 1 + static_cast<int>(rng() % 16);
+    for (int i = 0; i < count; ++i) {
+      const std::uint64_t len = 1 + rng() % 4000;
+      pieces.emplace_back(pos, len);
+      total += len;
+      pos += len + 1 + rng() % 8192;
+    }
+    const std::uint64_t seed = 100 + static_cast<std::uint64_t>(round);
+    std::vector<kvlink::transfer_request> small;
+    for (const auto& [off, len] : pieces) {
+      fill_pattern(r.local_mem.data() + off, len, seed, off);
+      small.push_back(r.req(opcode::write, off, off, len));
+    }
+    const auto sw = r.run(small);
+    REQUIRE_MESSAGE(!sw.ec, sw.ec.message());
+    CHECK(sw.result.bytes == total);
+    CHECK(sw.result.requests == small.size());
+    std::vector<kvlink_test::rig::range> landed;
+    for (const auto& [off, len] : pieces) landed.push_back({off, len, seed});
+    REQUIRE(r.check_remote(landed) == "OK");
+    // READ them back over a local copy of another seed.
+    std::vector<kvlink::transfer_request> back;
+    for (const auto& [off, len] : pieces) {
+      fill_pattern(r.local_mem.data() + off, len, 7, off);
+      back.push_back(r.req(opcode::read, off, off, len));
+    }
+    const auto sr = r.run(back);
+    REQUIRE_MESSAGE(!sr.ec, sr.ec.message());
+    CHECK(sr.result.bytes == total);
+    for (const auto& [off, len] : pieces) {
+      REQUIRE(is_pattern(r.local_mem.data() + off, len, seed, off));
+    }
+  }
 }
 
 TEST_CASE("shm between two processes: the child's device memory, imported here, READ and WRITTEN") {
