@@ -492,9 +492,11 @@ TEST_SUITE("etcd") {
 
     // It runs again: its entry is back (a new lease if the old one expired)
     // and the name reaches it.
+    // A liveness bound, not a speed: under ThreadSanitizer on 2 cores the
+    // resumed owner took more than 5 s (2026-11-28).
     b->signal(SIGCONT);
     t0 = std::chrono::steady_clock::now();
-    CHECK(back_within(5s));
+    CHECK(back_within(20s));
     MESSAGE("signed entry back " << seconds_since(t0) << " s after the owner resumed");
     local a(engine_config("prefill-0", etcd.url()));
     const auto p_got = connect(a.io, a.e(), "decode-0");
