@@ -173,29 +173,6 @@ class process {
   std::string buf_;
 };
 
-/// Waits until every thread of `pid` is stopped (SIGSTOP); false after `limit`.
-inline bool wait_stopped(pid_t pid, std::chrono::milliseconds limit = 10s) {
-  const auto until = std::chrono::steady_clock::now() + limit;
-  const std::string tasks = "/proc/" + std::to_string(pid) + "/task";
-  while (std::chrono::steady_clock::now() < until) {
-    bool all = true;
-    std::error_code ec;
-    for (const auto& t : std::filesystem::directory_iterator(tasks, ec)) {
-      std::ifstream st(t.path() / "stat");
-      std::string line;
-      std::getline(st, line);
-      const auto paren = line.rfind(')');  // "pid (comm) S ..."
-      if (paren == std::string::npos || paren + 2 >= line.size() ||
-          (line[paren + 2] != 'T' && line[paren + 2] != 't')) {
-        all = false;
-      }
-    }
-    if (all && !ec) return true;
-    std::this_thread::sleep_for(1ms);
-  }
-  return false;
-}
-
 /// One call to etcd's gateway on `endpoint`, from a private io_context,
 /// through kvlink's own client (TLS when `tls` is given).
 inline std::error_code etcd_call(const std::string& endpoint, const std::string& path,

@@ -142,10 +142,7 @@ double seconds_since(std::chrono::steady_clock::time_point t0) {
 
 // SIGSTOPs a child and waits until every thread of it has stopped (the
 // signal takes effect asynchronously).
-void stop(peer_process& child) {
-  child.signal(SIGSTOP);
-  REQUIRE(wait_stopped(child.pid()));
-}
+void stop(peer_process& child) { REQUIRE(child.stop()); }
 
 // The store-agnostic cases, run against etcd and the HTTP server alike.
 

@@ -8,9 +8,12 @@
 #include <cerrno>
 #include <chrono>
 #include <csignal>
+#include <filesystem>
+#include <fstream>
 #include <stdexcept>
 #include <string>
 #include <system_error>
+#include <thread>
 #include <vector>
 
 #include <fcntl.h>
@@ -25,6 +28,29 @@ using namespace std::chrono_literals;
 
 inline std::system_error sys_error(const char* what) {
   return {errno, std::generic_category(), what};
+}
+
+/// Waits until every thread of `pid` is stopped (SIGSTOP); false after `limit`.
+inline bool wait_stopped(pid_t pid, std::chrono::milliseconds limit = 10s) {
+  const auto until = std::chrono::steady_clock::now() + limit;
+  const std::string tasks = "/proc/" + std::to_string(pid) + "/task";
+  while (std::chrono::steady_clock::now() < until) {
+    bool all = true;
+    std::error_code ec;
+    for (const auto& t : std::filesystem::directory_iterator(tasks, ec)) {
+      std::ifstream st(t.path() / "stat");
+      std::string line;
+      std::getline(st, line);
+      const auto paren = line.rfind(')');  // "pid (comm) S ..."
+      if (paren == std::string::npos || paren + 2 >= line.size() ||
+          (line[paren + 2] != 'T' && line[paren + 2] != 't')) {
+        all = false;
+      }
+    }
+    if (all && !ec) return true;
+    std::this_thread::sleep_for(1ms);
+  }
+  return false;
 }
 
 // A kvlink_test_peer child with pipes to its stdin and from its stdout. The
@@ -104,6 +130,16 @@ class peer_process {
   /// Sends `sig` (SIGSTOP / SIGCONT: a hung peer) while it runs.
   void signal(int sig) {
     if (pid_ > 0) ::kill(pid_, sig);
+  }
+
+  /// SIGSTOPs it and waits until every thread of it has stopped: the signal
+  /// takes effect asynchronously (the thread that takes it must run first,
+  /// and a thread polling on another core goes on until it is interrupted;
+  /// on a loaded machine that took long enough for a ring's target to serve
+  /// a whole transfer). False if it did not stop within `limit`.
+  bool stop(std::chrono::milliseconds limit = 10s) {
+    signal(SIGSTOP);
+    return pid_ > 0 && wait_stopped(pid_, limit);
   }
 
   /// Sends one command line and returns the one-line answer ("" on EOF or

@@ -978,7 +978,7 @@ TEST_CASE("shm: a ring's target that stops answering fails the transfer; it does
   const auto warm = r.run({r.req(opcode::read, 0, 0, 4096)});  // the ring is made
   REQUIRE(!warm.ec);
   REQUIRE(run_until(r.io, [] { return ring_mappings() == 1; }));
-  r.child.signal(SIGSTOP);
+  REQUIRE(r.child.stop());  // every thread of it: the ring's too
   std::vector<kvlink::transfer_request> reads;
   for (std::uint64_t i = 0; i < 256; ++i)
     reads.push_back(r.req(opcode::read, i * 8192, i * 8192, 4096));
