@@ -571,7 +571,9 @@ class etcd_metadata final : public metadata_backend,
   // replaced by our signed entry at once, so that the name stays resolvable
   // by every engine that shares the secret.
   void check_own_key(const nlohmann::json* kv) {
-    if (stopped_ || lease_ == 0 || published_.empty()) return;
+    // Also while a put is in flight (nothing published yet): that put's
+    // answer must not count as published (foreign_ moved).
+    if (stopped_ || lease_ == 0) return;
     std::string how;
     if (kv == nullptr) {
       how = "deleted";
@@ -587,6 +589,7 @@ class etcd_metadata final : public metadata_backend,
     if (how.empty()) return;
     detail::log("{}: the entry of \"{}\" was {} by someone else: publishing its signed entry again",
                 o_.url, o_.self_name, how);
+    ++foreign_;
     published_.clear();
     wake_.cancel();
   }
@@ -622,8 +625,9 @@ class etcd_metadata final : public metadata_backend,
       }
       if (!ec && !self->stopped_ && self->published_ != self->want_) {
         const std::string value = self->want_;
+        const std::uint64_t foreign = self->foreign_;
         ec = co_await self->put(self->client_, value, what);
-        if (!ec) self->published_ = value;
+        if (!ec && self->foreign_ == foreign) self->published_ = value;
         if (ec && self->lease_ == 0) {
           detail::log(
               "{}: the lease of \"{}\" is gone (etcd lost it, or this engine was cut off "
@@ -793,6 +797,8 @@ class etcd_metadata final : public metadata_backend,
   change_fn on_change_;
   std::int64_t lease_ = 0;
   std::chrono::steady_clock::time_point next_keepalive_{};
+  // Writes by someone else seen on our key (check_own_key).
+  std::uint64_t foreign_ = 0;
   std::string want_;  ///< the value to publish
   std::uint64_t want_seq_ = 0;
   std::string published_;  ///< the value in etcd under the current lease
