@@ -20,6 +20,7 @@
 #include <vector>
 
 #include "../../support/device_memory.hpp"
+#include "../../support/fault_proxy.hpp"
 #include "../../support/test_support.hpp"
 #include <asio/experimental/as_tuple.hpp>
 #include <asio/io_context.hpp>
@@ -57,8 +58,8 @@ namespace store = kvlink::store;
 
 // An io_context run by `threads` threads, a master on it.
 struct rig {
-  explicit rig(std::size_t threads = 2, store::master_config cfg = {}) {
-    store::server_options opt;
+  explicit rig(std::size_t threads = 2, store::master_config cfg = {},
+               store::server_options opt = {}) {
     opt.listen = "127.0.0.1:0";
     master.emplace(io.get_executor(), cfg, opt);
     master->listen();
@@ -78,12 +79,13 @@ struct rig {
 // An engine, a client, a registered work buffer and (mount > 0) a segment
 // in the pool.
 struct member {
+  // `master`: another address of the master (a proxy); "": its own.
   member(rig& r, std::uint64_t mount, std::uint64_t buffer = 1u << 20, std::string disk = {},
-         std::uint64_t disk_capacity = 64u << 20)
+         std::uint64_t disk_capacity = 64u << 20, std::string master = {})
       : eng(r.io.get_executor(), kvlink::config{.listen = "127.0.0.1:0", .transports = "tcp"}),
         work(buffer),
         pool(mount),
-        client(eng, {.master = r.master->local_address(),
+        client(eng, {.master = master.empty() ? r.master->local_address() : master,
                      .disk_path = std::move(disk),
                      .disk_capacity = disk_capacity}) {
     eng.register_segment(work.data(), work.size());
@@ -187,6 +189,92 @@ TEST_CASE("store client: bad input gets its error and leaves nothing behind") {
   CHECK(kvlink::mooncake_code(kvlink::store_errc::no_space) == -200);
   REQUIRE(a.get("big1", 0, a.work.size(), size) == std::error_code{});
   CHECK(is_pattern(a.work.data(), size, 6, 0));
+}
+
+TEST_CASE(
+    "store client: a put whose master connection breaks at any step ends, or holds nothing "
+    "soon after") {
+  // No heartbeat within the test: the only frames on b's connection are
+  // its put's, each one chunk the proxy holds back 300 ms.
+  store::server_options opt;
+  opt.heartbeat_interval = std::chrono::seconds(60);
+  opt.suspect_after = std::chrono::seconds(120);
+  opt.liveness_timeout = std::chrono::seconds(300);
+  rig r(2, {}, opt);
+  kvlink_test::fault_proxy proxy(r.master->local_address());
+  member a(r, 1u << 20);
+  member b(r, 0, 1u << 20, {}, 64u << 20, proxy.address());
+  // Connected, and a's segment located (no segment_info on the way below).
+  REQUIRE(b.put("warm", 0, 4096, 1) == std::error_code{});
+  auto& table = r.master->objects();
+  using namespace std::chrono_literals;
+  // Waits up to 10 s for `done`.
+  auto wait_for = [](auto done) {
+    const auto until = std::chrono::steady_clock::now() + 10s;
+    while (!done() && std::chrono::steady_clock::now() < until) {
+      std::this_thread::sleep_for(1ms);
+    }
+    return done();
+  };
+  // The steps: put_start on its way, its answer on its way, put_end on its
+  // way, its answer on its way. The connection is reset there.
+  const char* const steps[] = {"put_start sent", "put_start answered", "put_end sent",
+                               "put_end answered"};
+  for (int step = 0; step < 4; ++step) {
+    CAPTURE(steps[step]);
+    const std::string key = "cut-" + std::to_string(step);
+    const auto before = table.stats();
+    const auto chunks = proxy.stats().delayed_chunks;
+    proxy.set_fault(kvlink_test::fault::delay(300ms));
+    kvlink_test::fill_pattern(b.work.data(), 64u << 10, 40 + step, 0);
+    no_throw<> put;
+    b.client.async_put(key, b.work.data(), 64u << 10, {}, {}, put.handler());
+    REQUIRE(wait_for([&] {
+      switch (step) {
+        case 0:
+          return proxy.stats().delayed_chunks > chunks;
+        case 1:
+          return table.stats().in_progress > before.in_progress;
+        case 2:
+          return proxy.stats().delayed_chunks > chunks + 2;
+        default:
+          return table.stats().objects > before.objects &&
+                 table.stats().in_progress == before.in_progress;
+      }
+    }));
+    const auto connection = proxy.accepted() - 1;
+    proxy.set_fault(kvlink_test::fault::reset(0).on_connection(connection));
+    const auto ec = std::get<0>(put.get());
+    if (step < 2) {
+      // Never placed, or placed and its answer lost: failed, and the space
+      // is given back once b is connected again (not after the master's
+      // put_discard_timeout + put_release_timeout: 30 s + 10 min).
+      CHECK(ec == kvlink::store_errc::rpc_failed);
+      CHECK(wait_for([&] {
+        const auto now = table.stats();
+        return now.in_progress == before.in_progress && now.used == before.used &&
+               now.objects == before.objects;
+      }));
+      // The same put again, at once: the give-back of the lost one never
+      // takes it (b has it in flight, or it ended: object_already_exists).
+      CHECK(b.put(key, 0, 64u << 10, 50 + step) == std::error_code{});
+      std::this_thread::sleep_for(1500ms);  // settled by now (b's ticker: 100 ms)
+      std::uint64_t size = 0;
+      REQUIRE(a.get(key, 0, a.work.size(), size) == std::error_code{});
+      CHECK(is_pattern(a.work.data(), size, 50 + step, 0));
+    } else {
+      // Written: put_end again on a new connection (the first may have
+      // been done: a no-op), so the put succeeds.
+      CHECK(ec == std::error_code{});
+      std::uint64_t size = 0;
+      REQUIRE(a.get(key, 0, a.work.size(), size) == std::error_code{});
+      CHECK(size == (64u << 10));
+      CHECK(is_pattern(a.work.data(), size, 40 + step, 0));
+    }
+    CHECK(table.stats().in_progress == before.in_progress);
+    CHECK(proxy.accepted() > connection + 1);  // cut, and b connected again
+    proxy.clear_faults();
+  }
 }
 
 TEST_CASE("store client: a get whose read lease ran out before its read finished is refused") {

@@ -53,7 +53,12 @@
 // (objects put from device memory carry no record: a restart forgets them).
 // Operations in flight when the connection is lost fail with rpc_failed,
 // and segment ids of a master this client is no longer connected to are
-// never used with another.
+// never used with another. A put whose bytes are written sends its put_end
+// once more on a new connection to the same master (ending an ended put is
+// a no-op) and succeeds; a put whose put_start, put_end or put_revoke
+// answer was lost is given back (put_revoke) once this client reaches the
+// same master again, so a flapping connection leaves no put holding space
+// until the master's put_discard_timeout + put_release_timeout.
 //
 // The SSD tier (client_options::disk_path): objects the master evicts from
 // this client's segments are first copied to a directory on this host's
@@ -99,6 +104,7 @@
 #include <fstream>
 #include <functional>
 #include <iterator>
+#include <list>
 #include <map>
 #include <memory>
 #include <mutex>
@@ -392,7 +398,15 @@ class client_state : public std::enable_shared_from_this<client_state> {
     }
     std::string body;
     std::string frame = w.take();
-    if (auto ec = co_await request(std::move(frame), body)) co_return ec;
+    // The master placing these puts: only it may end or revoke them.
+    if (auto ec = co_await connect()) co_return ec;
+    const instance_id master = master_;
+    const put_claim claim(*this, a.keys);
+    if (auto ec = co_await request(std::move(frame), body)) {
+      // Sent: the master may have placed some of them.
+      if (lost(ec)) leave_unsettled(a.keys, {}, master);
+      co_return ec;
+    }
     // Segment ids are this master's: the put ends where it started.
     const std::uint64_t epoch = epoch_;
     const bool records = records_;  // this master's choice
@@ -497,18 +511,38 @@ class client_state : public std::enable_shared_from_this<client_state> {
     }
     if (!failed.empty()) {
       std::vector<std::error_code> ignored(failed.size());
-      (void)co_await keys_call(wire::message_type::put_revoke, a.keys, failed, false, ignored);
+      const auto ec =
+          co_await keys_call(wire::message_type::put_revoke, a.keys, failed, false, ignored);
+      if (lost(ec)) leave_unsettled(a.keys, failed, master);
     }
-    if (!done.empty() && epoch != epoch_) {
+    if (!done.empty() && master != master_) {
       // The master that placed these is gone; its successor takes the
       // objects back from their records, or never saw them.
       for (const auto i : done) a.results[i] = make_error_code(store_errc::rpc_failed);
       done.clear();
     }
     if (!done.empty()) {
+      // The connection may have broken and come back since put_start (the
+      // epoch moved on): the same master still holds these puts as ours.
       std::vector<std::error_code> codes(done.size());
-      if (auto ec = co_await keys_call(wire::message_type::put_end, a.keys, done, false, codes)) {
+      auto ec = co_await keys_call(wire::message_type::put_end, a.keys, done, false, codes);
+      if (lost(ec)) {
+        // Once more on a new connection to the same master: ending an
+        // ended put of ours is a no-op. Keys another put of this client has
+        // in flight are not (if ours was discarded, theirs may be the one
+        // the master holds): they are given back later instead.
+        const bool sole =
+            std::all_of(done.begin(), done.end(), [&](auto i) { return claim.sole(a.keys[i]); });
+        if (sole) {
+          const auto cec = co_await connect();
+          if (!cec && master_ == master) {
+            ec = co_await keys_call(wire::message_type::put_end, a.keys, done, false, codes);
+          }
+        }
+      }
+      if (ec) {
         for (const auto i : done) a.results[i] = ec;
+        if (lost(ec)) leave_unsettled(a.keys, done, master);
       } else {
         for (std::size_t j = 0; j < done.size(); ++j) a.results[done[j]] = codes[j];
       }
@@ -1202,6 +1236,113 @@ class client_state : public std::enable_shared_from_this<client_state> {
     if (it != locations_.end() && it->second.local == nullptr) locations_.erase(it);
   }
 
+  // ------------------------------------------------------- lost answers
+
+  // An error after which the master may or may not have done what was asked
+  // (the connection broke with the request sent, or no answer in time).
+  static bool lost(std::error_code ec) noexcept {
+    return ec == store_errc::rpc_failed || ec == store_errc::rpc_timeout;
+  }
+
+  // A put's keys counted in putting_ while it runs.
+  class put_claim {
+   public:
+    put_claim(client_state& c, const std::vector<std::string>& keys) : c_(c), keys_(keys) {
+      for (const auto& k : keys_) ++c_.putting_[k];
+    }
+    ~put_claim() {
+      for (const auto& k : keys_) {
+        auto it = c_.putting_.find(k);
+        if (--it->second == 0) c_.putting_.erase(it);
+      }
+    }
+    put_claim(const put_claim&) = delete;
+    put_claim& operator=(const put_claim&) = delete;
+    /// No other put of this client has `key` in flight.
+    bool sole(std::string_view key) const { return c_.putting_.find(key)->second == 1; }
+
+   private:
+    client_state& c_;
+    const std::vector<std::string>& keys_;
+  };
+
+  // Puts of keys[which] (all keys when `which` is empty) the master may
+  // hold in progress: the answer to their put_start, put_end or put_revoke
+  // was lost. Left alone, the master would keep their space for
+  // put_discard_timeout + put_release_timeout (30 s + 10 min by default),
+  // and a flapping connection could fill the pool; the ticker gives them
+  // back (settle).
+  void leave_unsettled(const std::vector<std::string>& keys, const std::vector<std::size_t>& which,
+                       const instance_id& master) {
+    const auto until = std::chrono::steady_clock::now() + unsettled_horizon;
+    auto add = [&](const std::string& k) {
+      if (unsettled_.size() >= max_unsettled) {
+        unsettled_.pop_front();
+        ++unsettled_dropped_;
+      }
+      unsettled_.push_back({k, master, until});
+    };
+    if (which.empty()) {
+      for (const auto& k : keys) add(k);
+    } else {
+      for (const auto i : which) add(keys[i]);
+    }
+  }
+
+  // Revokes the unsettled puts, on the master that placed them (another
+  // one never did: they are dropped), connected; a key another put of this
+  // client has in flight waits for it (a later put of the key may be the
+  // one the master holds, its writes still landing). Revoking is safe
+  // otherwise: the master checks the writer (another client's put of the
+  // key stays: illegal_client), an ended put stays (object_already_exists),
+  // a put never placed is not found. Entries older than unsettled_horizon
+  // are dropped: the master discarded those puts itself by then (its
+  // default put_discard_timeout is 30 s).
+  static asio::awaitable<void> settle(std::shared_ptr<client_state> self) {
+    const auto now = std::chrono::steady_clock::now();
+    std::vector<std::string> keys;
+    std::vector<std::list<unsettled_put>::iterator> sent;
+    std::size_t dropped = std::exchange(self->unsettled_dropped_, 0);
+    for (auto it = self->unsettled_.begin(); it != self->unsettled_.end();) {
+      if (it->master != self->master_ || now >= it->until) {
+        it = self->unsettled_.erase(it);
+        ++dropped;
+        continue;
+      }
+      if (!self->putting_.contains(it->key)) {
+        keys.push_back(it->key);
+        sent.push_back(it);
+      }
+      ++it;
+    }
+    if (dropped != 0) {
+      kvlink::detail::log(
+          "store: {} put(s) whose answer was lost with the connection to the master could not be "
+          "given back (another master, or too late: it discards them itself)",
+          dropped);
+    }
+    if (!keys.empty()) {
+      std::vector<std::size_t> all(keys.size());
+      for (std::size_t i = 0; i < all.size(); ++i) all[i] = i;
+      std::vector<std::error_code> codes(keys.size());
+      const auto ec =
+          co_await self->keys_call(wire::message_type::put_revoke, keys, all, false, codes);
+      if (!lost(ec)) {
+        // Only settle erases entries, one at a time: `sent` is valid.
+        for (const auto it : sent) self->unsettled_.erase(it);
+        const auto revoked = ec ? std::size_t{0}
+                                : static_cast<std::size_t>(std::count_if(
+                                      codes.begin(), codes.end(), [](auto c) { return !c; }));
+        if (revoked != 0) {
+          kvlink::detail::log(
+              "store: {} put(s) left in progress at the master by a lost connection given back",
+              revoked);
+        }
+      }
+    }
+    self->settling_ = false;
+  }
+
   asio::awaitable<std::error_code> keys_call(wire::message_type type,
                                              const std::vector<std::string>& keys,
                                              const std::vector<std::size_t>& which, bool force,
@@ -1832,6 +1973,10 @@ class client_state : public std::enable_shared_from_this<client_state> {
         }
         continue;
       }
+      if (!self->unsettled_.empty() && !self->settling_) {
+        self->settling_ = true;
+        asio::co_spawn(self->strand_, settle(self), asio::detached);
+      }
       if (now - last_beat < self->heartbeat_) continue;
       last_beat = now;
       asio::co_spawn(self->strand_, heartbeat(self), asio::detached);
@@ -1899,6 +2044,20 @@ class client_state : public std::enable_shared_from_this<client_state> {
   bool records_ = false;     // whether puts write object records (the master says)
   std::uint64_t master_max_body_ = wire::default_max_body;  // the largest request it takes
   std::chrono::milliseconds heartbeat_{1000};
+
+  // Puts in flight, by key (views of their own keys): put_claim's.
+  std::unordered_map<std::string_view, std::uint32_t> putting_;
+  // Puts whose answer was lost with the connection (leave_unsettled).
+  struct unsettled_put {
+    std::string key;
+    instance_id master;  // the master that placed it
+    std::chrono::steady_clock::time_point until;
+  };
+  static constexpr auto unsettled_horizon = std::chrono::seconds(60);
+  static constexpr std::size_t max_unsettled = 1u << 16;  // the oldest are dropped beyond
+  std::list<unsettled_put> unsettled_;
+  std::size_t unsettled_dropped_ = 0;
+  bool settling_ = false;
 
   std::vector<mount_rec> mounts_;
   std::unordered_map<std::uint64_t, location> locations_;
