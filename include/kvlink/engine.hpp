@@ -102,17 +102,24 @@
 namespace kvlink {
 
 namespace detail {
+#ifdef KVLINK_SEPARATE_COMPILATION
+// Compiled once: in the one translation unit of the program that includes
+// <kvlink/separate.hpp> (see there).
+std::shared_ptr<transport> make_tcp_transport(const transport_env& env, const config& cfg);
+std::shared_ptr<transport> make_shm_transport(const transport_env& env, const config& cfg);
+#else
+inline std::shared_ptr<transport> make_tcp_transport(const transport_env& env, const config& cfg) {
+  return std::make_shared<tcp::transport>(env, cfg.tcp);
+}
+inline std::shared_ptr<transport> make_shm_transport(const transport_env& env, const config& cfg) {
+  return std::make_shared<shm::transport>(env, cfg.shm);
+}
+#endif
 // The TCP transport is in every program that includes the engine.
-inline const bool tcp_in_catalog = transport_catalog::global().add(
-    "tcp", 100, [](const transport_env& env, const config& cfg) -> std::shared_ptr<transport> {
-      return std::make_shared<tcp::transport>(env, cfg.tcp);
-    });
+inline const bool tcp_in_catalog = transport_catalog::global().add("tcp", 100, make_tcp_transport);
 // So is the same-host transport, first: a peer on this host (same kernel,
 // same PID namespace, and allowed to attach) gets one copy instead of TCP.
-inline const bool shm_in_catalog = transport_catalog::global().add(
-    "shm", 20, [](const transport_env& env, const config& cfg) -> std::shared_ptr<transport> {
-      return std::make_shared<shm::transport>(env, cfg.shm);
-    });
+inline const bool shm_in_catalog = transport_catalog::global().add("shm", 20, make_shm_transport);
 }  // namespace detail
 
 /// The engine, its transports chosen at run time (config.transports). Not a

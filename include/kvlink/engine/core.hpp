@@ -71,6 +71,39 @@
 
 namespace kvlink::detail {
 
+// A started etcd or HTTP metadata backend (ec and what say why not). With
+// KVLINK_SEPARATE_COMPILATION they are compiled once per program, in
+// <kvlink/separate.hpp>.
+#ifdef KVLINK_SEPARATE_COMPILATION
+std::shared_ptr<metadata_backend> start_etcd_metadata(asio::any_io_executor ex,
+                                                      etcd_metadata::options o,
+                                                      const control::peer_descriptor& self,
+                                                      std::error_code& ec, std::string& what);
+std::shared_ptr<metadata_backend> start_http_metadata(asio::any_io_executor ex,
+                                                      http_metadata::options o,
+                                                      const control::peer_descriptor& self,
+                                                      std::error_code& ec, std::string& what);
+#else
+inline std::shared_ptr<metadata_backend> start_etcd_metadata(asio::any_io_executor ex,
+                                                             etcd_metadata::options o,
+                                                             const control::peer_descriptor& self,
+                                                             std::error_code& ec,
+                                                             std::string& what) {
+  auto b = std::make_shared<etcd_metadata>(std::move(ex), std::move(o));
+  ec = b->start(self, what);
+  return b;
+}
+inline std::shared_ptr<metadata_backend> start_http_metadata(asio::any_io_executor ex,
+                                                             http_metadata::options o,
+                                                             const control::peer_descriptor& self,
+                                                             std::error_code& ec,
+                                                             std::string& what) {
+  auto b = std::make_shared<http_metadata>(std::move(ex), std::move(o));
+  ec = b->start(self, what);
+  return b;
+}
+#endif
+
 class engine_core final : public transport_host,
                           public connection_owner,
                           public std::enable_shared_from_this<engine_core> {
@@ -839,9 +872,7 @@ class engine_core final : public transport_host,
       o.guard = guard_;
       o.max_value = cfg_.max_control_message;
       o.broadcast = bcast;
-      auto b = std::make_shared<etcd_metadata>(asio::any_io_executor(strand_), std::move(o));
-      ec = b->start(mine, what);
-      made = std::move(b);
+      made = start_etcd_metadata(asio::any_io_executor(strand_), std::move(o), mine, ec, what);
     } else {
       http_metadata::options o;
       o.url = mc.url;
@@ -861,9 +892,7 @@ class engine_core final : public transport_host,
       o.guard = guard_;
       o.max_value = cfg_.max_control_message;
       o.broadcast = bcast;
-      auto b = std::make_shared<http_metadata>(asio::any_io_executor(strand_), std::move(o));
-      ec = b->start(mine, what);
-      made = std::move(b);
+      made = start_http_metadata(asio::any_io_executor(strand_), std::move(o), mine, ec, what);
     }
     if (ec == errc::metadata_unavailable) {
       throw std::system_error(

@@ -670,8 +670,14 @@ class pool {
         port_(port),
         tls_(std::move(tls)),
         max_idle_(max_idle) {
-    where_ = host_.find(':') != std::string::npos ? "[" + host_ + "]" : host_;
-    where_ += ":" + std::to_string(port_);
+    // Appended piece by piece: g++ 12 at -O3 takes `":" + std::to_string(port_)`
+    // for an overlapping memcpy (-Wrestrict, a false positive; issue 28).
+    const bool v6 = host_.find(':') != std::string::npos;
+    if (v6) where_ += '[';
+    where_ += host_;
+    if (v6) where_ += ']';
+    where_ += ':';
+    where_ += std::to_string(port_);
   }
   pool(const pool&) = delete;
   pool& operator=(const pool&) = delete;
