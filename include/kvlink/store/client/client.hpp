@@ -1275,10 +1275,12 @@ class client_state : public std::enable_shared_from_this<client_state> {
   void leave_unsettled(const std::vector<std::string>& keys, const std::vector<std::size_t>& which,
                        const instance_id& master) {
     const auto until = std::chrono::steady_clock::now() + unsettled_horizon;
+    // Beyond max_unsettled the new ones are dropped (counted), never older
+    // ones: settle holds iterators to those across its revoke.
     auto add = [&](const std::string& k) {
       if (unsettled_.size() >= max_unsettled) {
-        unsettled_.pop_front();
         ++unsettled_dropped_;
+        return;
       }
       unsettled_.push_back({k, master, until});
     };
@@ -2054,7 +2056,7 @@ class client_state : public std::enable_shared_from_this<client_state> {
     std::chrono::steady_clock::time_point until;
   };
   static constexpr auto unsettled_horizon = std::chrono::seconds(60);
-  static constexpr std::size_t max_unsettled = 1u << 16;  // the oldest are dropped beyond
+  static constexpr std::size_t max_unsettled = 1u << 16;  // new ones are dropped beyond
   std::list<unsettled_put> unsettled_;
   std::size_t unsettled_dropped_ = 0;
   bool settling_ = false;
