@@ -74,6 +74,7 @@
 #include <kvlink/core/segment_registry.hpp>
 #include <kvlink/core/types.hpp>
 #include <kvlink/detail/coroutines.hpp>
+#include <kvlink/detail/decl.hpp>
 #include <kvlink/detail/erased_handler.hpp>
 #include <kvlink/engine/config.hpp>
 #include <kvlink/engine/core.hpp>
@@ -102,19 +103,12 @@
 namespace kvlink {
 
 namespace detail {
-#ifdef KVLINK_SEPARATE_COMPILATION
-// Compiled once: in the one translation unit of the program that includes
-// <kvlink/separate.hpp> (see there).
-std::shared_ptr<transport> make_tcp_transport(const transport_env& env, const config& cfg);
-std::shared_ptr<transport> make_shm_transport(const transport_env& env, const config& cfg);
-#else
-inline std::shared_ptr<transport> make_tcp_transport(const transport_env& env, const config& cfg) {
-  return std::make_shared<tcp::transport>(env, cfg.tcp);
-}
-inline std::shared_ptr<transport> make_shm_transport(const transport_env& env, const config& cfg) {
-  return std::make_shared<shm::transport>(env, cfg.shm);
-}
-#endif
+// Defined in <kvlink/engine/backends.hpp>: at the end of this header, or
+// once per program with KVLINK_SEPARATE_COMPILATION (<kvlink/separate.hpp>).
+KVLINK_DECL std::shared_ptr<transport> make_tcp_transport(const transport_env& env,
+                                                          const config& cfg);
+KVLINK_DECL std::shared_ptr<transport> make_shm_transport(const transport_env& env,
+                                                          const config& cfg);
 // The TCP transport is in every program that includes the engine.
 inline const bool tcp_in_catalog = transport_catalog::global().add("tcp", 100, make_tcp_transport);
 // So is the same-host transport, first: a peer on this host (same kernel,
@@ -466,3 +460,7 @@ using tcp_engine = basic_engine<tcp_transport>;
 using rdma_engine = basic_engine<rdma_transport>;
 
 }  // namespace kvlink
+
+#ifndef KVLINK_SEPARATE_COMPILATION
+#include <kvlink/engine/backends.hpp>
+#endif

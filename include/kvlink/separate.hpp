@@ -13,8 +13,10 @@
 //   // kvlink_engine.cpp, built with -DKVLINK_SEPARATE_COMPILATION like the rest
 //   #include <kvlink/separate.hpp>
 //
-// kvlink's own tests are built so (test/CMakeLists.txt); its examples,
-// benches, tools and Python module are header-only, as a user builds them.
+// The definitions are in <kvlink/engine/backends.hpp>, which this includes
+// (and engine.hpp does, in a header-only build). kvlink's own tests are
+// built so (test/CMakeLists.txt); its examples, benches, tools and Python
+// module are header-only, as a user builds them.
 #pragma once
 
 #ifndef KVLINK_SEPARATE_COMPILATION
@@ -22,38 +24,4 @@
 #endif
 
 #include <kvlink/engine.hpp>
-
-#include <memory>
-#include <string>
-#include <system_error>
-#include <utility>
-
-namespace kvlink::detail {
-
-std::shared_ptr<transport> make_tcp_transport(const transport_env& env, const config& cfg) {
-  return std::make_shared<tcp::transport>(env, cfg.tcp);
-}
-
-std::shared_ptr<transport> make_shm_transport(const transport_env& env, const config& cfg) {
-  return std::make_shared<shm::transport>(env, cfg.shm);
-}
-
-std::shared_ptr<metadata_backend> start_etcd_metadata(asio::any_io_executor ex,
-                                                      etcd_metadata::options o,
-                                                      const control::peer_descriptor& self,
-                                                      std::error_code& ec, std::string& what) {
-  auto b = std::make_shared<etcd_metadata>(std::move(ex), std::move(o));
-  ec = b->start(self, what);
-  return b;
-}
-
-std::shared_ptr<metadata_backend> start_http_metadata(asio::any_io_executor ex,
-                                                      http_metadata::options o,
-                                                      const control::peer_descriptor& self,
-                                                      std::error_code& ec, std::string& what) {
-  auto b = std::make_shared<http_metadata>(std::move(ex), std::move(o));
-  ec = b->start(self, what);
-  return b;
-}
-
-}  // namespace kvlink::detail
+#include <kvlink/engine/backends.hpp>

@@ -19,6 +19,7 @@
 #include <kvlink/core/segment_registry.hpp>
 #include <kvlink/core/types.hpp>
 #include <kvlink/detail/coroutines.hpp>
+#include <kvlink/detail/decl.hpp>
 #include <kvlink/detail/erased_handler.hpp>
 #include <kvlink/detail/log.hpp>
 #include <kvlink/engine/config.hpp>
@@ -71,38 +72,15 @@
 
 namespace kvlink::detail {
 
-// A started etcd or HTTP metadata backend (ec and what say why not). With
-// KVLINK_SEPARATE_COMPILATION they are compiled once per program, in
-// <kvlink/separate.hpp>.
-#ifdef KVLINK_SEPARATE_COMPILATION
-std::shared_ptr<metadata_backend> start_etcd_metadata(asio::any_io_executor ex,
-                                                      etcd_metadata::options o,
-                                                      const control::peer_descriptor& self,
-                                                      std::error_code& ec, std::string& what);
-std::shared_ptr<metadata_backend> start_http_metadata(asio::any_io_executor ex,
-                                                      http_metadata::options o,
-                                                      const control::peer_descriptor& self,
-                                                      std::error_code& ec, std::string& what);
-#else
-inline std::shared_ptr<metadata_backend> start_etcd_metadata(asio::any_io_executor ex,
-                                                             etcd_metadata::options o,
-                                                             const control::peer_descriptor& self,
-                                                             std::error_code& ec,
-                                                             std::string& what) {
-  auto b = std::make_shared<etcd_metadata>(std::move(ex), std::move(o));
-  ec = b->start(self, what);
-  return b;
-}
-inline std::shared_ptr<metadata_backend> start_http_metadata(asio::any_io_executor ex,
-                                                             http_metadata::options o,
-                                                             const control::peer_descriptor& self,
-                                                             std::error_code& ec,
-                                                             std::string& what) {
-  auto b = std::make_shared<http_metadata>(std::move(ex), std::move(o));
-  ec = b->start(self, what);
-  return b;
-}
-#endif
+// A started etcd or HTTP metadata backend (ec and what say why not).
+// Defined in <kvlink/engine/backends.hpp>, which <kvlink/engine.hpp>
+// includes (or <kvlink/separate.hpp>, with KVLINK_SEPARATE_COMPILATION).
+KVLINK_DECL std::shared_ptr<metadata_backend> start_etcd_metadata(
+    asio::any_io_executor ex, etcd_metadata::options o, const control::peer_descriptor& self,
+    std::error_code& ec, std::string& what);
+KVLINK_DECL std::shared_ptr<metadata_backend> start_http_metadata(
+    asio::any_io_executor ex, http_metadata::options o, const control::peer_descriptor& self,
+    std::error_code& ec, std::string& what);
 
 class engine_core final : public transport_host,
                           public connection_owner,
