@@ -386,6 +386,25 @@ TEST_CASE("fault proxy: transparent, then truncate, reset, black hole, throttle 
     CHECK(std::equal(got.bytes.begin(), got.bytes.end(), up.begin()));
     CHECK(proxy.stats().resets == 1);
   }
+  SUBCASE("reset_connection: RST at once, the bytes held back dropped") {
+    proxy.set_fault(fault::delay(2s, direction::to_target));
+    auto [c, s] = connect_through(proxy, t);
+    const auto up = pattern(4096, 8);
+    asio::write(c, asio::buffer(up));
+    const auto t0 = steady::now();
+    while (proxy.stats().delayed_chunks == 0 && steady::now() - t0 < 10s) {
+      std::this_thread::sleep_for(1ms);
+    }
+    REQUIRE(proxy.stats().delayed_chunks > 0);
+    CHECK(proxy.reset_connection(0));
+    CHECK_FALSE(proxy.reset_connection(0));  // closed already
+    CHECK_FALSE(proxy.reset_connection(7));  // never accepted
+    const auto got = read_all(s);
+    CHECK(got.bytes.empty());
+    CHECK(got.end == asio::error::connection_reset);
+    CHECK(proxy.stats().bytes_to_target == 0);
+    CHECK(proxy.stats().resets == 1);
+  }
   SUBCASE("black hole: bytes dropped, connection kept") {
     auto [c, s] = connect_through(proxy, t);
     proxy.set_fault(fault::black_hole(direction::to_target));

@@ -29,7 +29,8 @@
 //   bit_flip(k)    the k-th, 2k-th, ... byte forwarded from then on has one
 //                  bit flipped: bit (j - 1) % 8 of the (j * k)-th byte.
 // A peer closing or resetting its side is passed on (FIN after the bytes
-// queued before it, RST at once).
+// queued before it, RST at once). reset_connection(i) resets connection i at
+// once, dropping what the proxy holds for it.
 #pragma once
 
 #include <kvlink/core/address.hpp>
@@ -41,6 +42,7 @@
 #include <cstddef>
 #include <cstdint>
 #include <deque>
+#include <future>
 #include <memory>
 #include <mutex>
 #include <stdexcept>
@@ -191,6 +193,27 @@ class fault_proxy {
       ++generation_;
     }
     poke();
+  }
+
+  /// Closes the connection accepted `index`-th (0-based) with RST on both
+  /// sides at once: the bytes the proxy holds for it (delayed, throttled,
+  /// not yet written) are dropped, as when the path between the two dies.
+  /// (reset(0) as a fault forwards those first.) Returns once it is done;
+  /// false if no such connection is open. Not from the proxy's thread.
+  bool reset_connection(std::uint64_t index) {
+    std::promise<bool> done;
+    asio::post(io_, [&] {
+      bool found = false;
+      for (auto& w : live_) {
+        auto c = w.lock();
+        if (!c || c->closed || c->index != index) continue;
+        c->close(true);
+        count(resets);
+        found = true;
+      }
+      done.set_value(found);
+    });
+    return done.get_future().get();
   }
 
   counters stats() const {
