@@ -14,8 +14,9 @@
 //   CHECK <offset> <length> <seed>  ->  OK | BAD <first differing offset> | ERR <why>
 //       compares segment bytes [offset, offset + length) with the pattern of
 //       <seed> at the same positions (what the test WROTE there);
-//   FILL <seed>                     ->  OK
-//       refills the whole segment with the pattern of <seed>;
+//   FILL <seed> [<length>]          ->  OK | ERR <why>
+//       refills the whole segment (or its first <length> bytes) with the
+//       pattern of <seed>;
 //   RSS                             ->  <resident set size in KiB>;
 //   PUSH <address> <length>         ->  STARTED
 //       connects to the engine at <address> and WRITEs [0, length) of the
@@ -249,8 +250,14 @@ std::string answer(const std::string& line, std::span<std::byte> mem,
   }
   if (verb == "FILL") {
     std::uint64_t seed = 0;
-    if (!(in >> seed)) return "ERR FILL needs <seed>";
-    fill_segment(mem, seed);
+    if (!(in >> seed)) return "ERR FILL needs <seed> [<length>]";
+    std::uint64_t len = mem.size();
+    if (!(in >> len)) {
+      len = mem.size();
+    } else if (len > mem.size()) {
+      return "ERR length beyond the segment";
+    }
+    fill_segment(mem.first(static_cast<std::size_t>(len)), seed);
     return "OK";
   }
   return "ERR unknown command '" + verb + "'";

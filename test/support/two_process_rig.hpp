@@ -94,6 +94,10 @@ struct rig {
   std::string fill_remote(std::uint64_t seed) {
     return child.command("FILL " + std::to_string(seed));
   }
+  /// The first `len` bytes of the child's segment only.
+  std::string fill_remote(std::uint64_t seed, std::uint64_t len) {
+    return child.command("FILL " + std::to_string(seed) + " " + std::to_string(len));
+  }
 
   std::string check_remote(std::uint64_t off, std::uint64_t len, std::uint64_t seed) {
     return child.command("CHECK " + std::to_string(off) + " " + std::to_string(len) + " " +
