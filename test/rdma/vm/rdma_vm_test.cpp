@@ -38,6 +38,7 @@
 #include <csignal>
 #include <cstdio>
 #include <cstdlib>
+#include <filesystem>
 #include <fstream>
 #include <map>
 #include <memory>
@@ -80,9 +81,26 @@ std::string env(const char* name, const char* fallback = "") {
   return v && *v ? v : fallback;
 }
 
+// The soft-RoCE devices' non-zero counters (retries, timeouts, drops), printed
+// at the first failure: what rxe saw when a transfer stalled.
+void print_rxe_counters() {
+  std::error_code ec;
+  for (const auto& dev : std::filesystem::directory_iterator("/sys/class/infiniband", ec)) {
+    const auto dir = dev.path() / "ports" / "1" / "hw_counters";
+    std::string line;
+    for (const auto& f : std::filesystem::directory_iterator(dir, ec)) {
+      std::ifstream in(f.path());
+      std::uint64_t v = 0;
+      if (in >> v && v != 0) line += " " + f.path().filename().string() + "=" + std::to_string(v);
+    }
+    std::printf("counters %s:%s\n", dev.path().filename().c_str(), line.c_str());
+  }
+}
+
 int failures = 0;
 void report(bool ok, const std::string& what) {
   std::printf("%s: %s\n", ok ? "PASS" : "FAIL", what.c_str());
+  if (!ok && failures == 0) print_rxe_counters();
   std::fflush(stdout);
   if (!ok) ++failures;
 }
