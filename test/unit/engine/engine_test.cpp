@@ -129,11 +129,7 @@ TEST_CASE("sizes from 1 byte to 64 MiB at random offsets, WRITE and READ") {
   constexpr std::size_t total = (cut ? 16u << 20 : 64u << 20) + 8192;
   pair_rig r{total};
   std::mt19937_64 g{42};
-  const std::vector<std::uint64_t> sizes =
-      cut ? std::vector<std::uint64_t>{1, 4096, 65537, (1 << 20) + 3, 16u << 20}
-          : std::vector<std::uint64_t>{
-                1, 7, 4096, 65536, 65537, 1 << 20, (1 << 20) + 3, 16u << 20, 64u << 20};
-  for (const auto size : sizes) {
+  for (const auto size : kvlink_test::sizes_up_to_64_mib()) {
     for (const auto op : {opcode::write, opcode::read}) {
       CAPTURE(size);
       CAPTURE(kvlink::to_string(op));

@@ -79,12 +79,7 @@ TEST_CASE("two processes: sizes from 1 byte to 64 MiB at random offsets, WRITE a
   // (several times slower per byte, and large sizes add no interleavings)
   // fewer rounds, in their first 20 MiB.
   const std::uint64_t span = kvlink_test::under_thread_sanitizer ? 20u << 20 : segment_size;
-  const std::vector<std::uint64_t> sizes =
-      kvlink_test::under_thread_sanitizer
-          ? std::vector<std::uint64_t>{1, 4096, 65537, (1 << 20) + 3, 16u << 20}
-          : std::vector<std::uint64_t>{
-                1, 7, 4096, 65536, 65537, 1 << 20, (1 << 20) + 3, 16u << 20, 64u << 20};
-  for (const auto size : sizes) {
+  for (const auto size : kvlink_test::sizes_up_to_64_mib()) {
     for (const auto op : {opcode::write, opcode::read}) {
       CAPTURE(size);
       CAPTURE(kvlink::to_string(op));
