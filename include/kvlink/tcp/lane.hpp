@@ -45,6 +45,7 @@
 #include <kvlink/detail/log.hpp>
 #include <kvlink/tcp/frame.hpp>
 #include <kvlink/tcp/receive.hpp>
+#include <kvlink/tcp/send.hpp>
 #include <kvlink/transport/transport.hpp>
 
 #include <algorithm>
@@ -245,19 +246,18 @@ class lane final : public std::enable_shared_from_this<lane> {
     }
     if (send_bufs_.empty()) return;
     writing_ = true;
-    asio::async_write(socket_, send_bufs_,
-                      [self = shared_from_this()](std::error_code ec, std::size_t) {
-                        self->writing_ = false;
-                        if (is_bad_address(ec)) {
-                          self->local_fault(nullptr);
-                          return;
-                        }
-                        if (ec) {
-                          self->fail(control::map_socket_error(ec));
-                          return;
-                        }
-                        self->pump();
-                      });
+    send_all(socket_, send_bufs_, 0, gather_, [self = shared_from_this()](std::error_code ec) {
+      self->writing_ = false;
+      if (is_bad_address(ec)) {
+        self->local_fault(nullptr);
+        return;
+      }
+      if (ec) {
+        self->fail(control::map_socket_error(ec));
+        return;
+      }
+      self->pump();
+    });
   }
 
   /// Closes the connection and resolves every queued and in-flight slice
@@ -646,6 +646,7 @@ class lane final : public std::enable_shared_from_this<lane> {
   std::vector<frame_bytes> send_headers_;  // headers of the write in progress
   std::vector<std::array<std::byte, max_vector_pieces * piece_entry_size>> send_tables_;
   std::vector<asio::const_buffer> send_bufs_;
+  gather_state gather_;  // send_all's iovecs
   vector_limits vectors_;
   std::vector<std::uint64_t> no_vector_;       // segments served a frame at a time
   std::vector<asio::mutable_buffer> scatter_;  // the rest of a READ payload being received

@@ -59,6 +59,7 @@
 #include <kvlink/memory/staging.hpp>
 #include <kvlink/tcp/frame.hpp>
 #include <kvlink/tcp/receive.hpp>
+#include <kvlink/tcp/send.hpp>
 #include <kvlink/transport/transport.hpp>
 
 #include <algorithm>
@@ -756,7 +757,7 @@ class lane_server : public std::enable_shared_from_this<lane_server> {
     }
     if (batch_ == 0) return;
     writing_ = true;
-    asio::async_write(socket_, bufs_, [self = shared_from_this()](std::error_code ec, std::size_t) {
+    send_all(socket_, bufs_, 0, gather_, [self = shared_from_this()](std::error_code ec) {
       self->writing_ = false;
       if (self->closed_) return;
       if (ec) {
@@ -801,6 +802,7 @@ class lane_server : public std::enable_shared_from_this<lane_server> {
   bool again_ = false;    // ... and is asked for one more round
   std::deque<response> out_;
   std::vector<asio::const_buffer> bufs_;
+  gather_state gather_;  // send_all's iovecs
   std::size_t batch_ = 0;
   std::vector<std::byte> scratch_;
   std::uint64_t drain_left_ = 0;
