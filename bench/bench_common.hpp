@@ -401,6 +401,7 @@ struct case_result {
   std::uint64_t batches = 0;
   double seconds = 0;
   double mean_latency_us = 0;  // per batch, from transfer_result.duration
+  double memcpy_gb_per_s = 0;  // the case's pieces copied by memcpy (same host); 0: none
   std::error_code error;
 
   double gb_per_s() const { return seconds > 0 ? static_cast<double>(bytes) / seconds / 1e9 : 0; }
@@ -443,6 +444,9 @@ class case_runner {
       }
     }
   }
+
+  /// The batches it keeps in flight, in order (depth of them).
+  const std::vector<std::vector<transfer_request>>& batches() const noexcept { return batches_; }
 
   /// With one thread the bench's thread runs the engine and these handlers;
   /// with several, the handlers run on a strand of the engine's io_context

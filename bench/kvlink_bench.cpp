@@ -155,6 +155,8 @@ struct sweep_options {
   double warmup = 0.1;
   std::string segment_size = "1GiB";
   std::string block_layout = "scattered";
+  std::string line_rate = "measure";
+  std::uint32_t line_rate_seconds = 3;
   bool csv = false;
   bool json = false;
 };
@@ -576,7 +578,7 @@ std::vector<std::uint32_t> remote_ids(std::uint32_t n, bool scattered) {
 // best is one copy of the same pieces. (Scattered block ids make both
 // sides' pieces land 4 KiB at a time all over memory; a reference reading
 // or writing its side end to end ran about twice as fast on READ here.) ms.
-double memcpy_pass(const std::vector<kvlink::transfer_request>& reqs) {
+double memcpy_pass(const std::vector<kvlink::transfer_request>& reqs, std::uint64_t passes = 1) {
   std::uint64_t extent = 0;
   std::uint64_t largest = 0;
   for (const auto& r : reqs) {
@@ -585,20 +587,45 @@ double memcpy_pass(const std::vector<kvlink::transfer_request>& reqs) {
   }
   const std::uint64_t size =
       std::max<std::uint64_t>(std::min<std::uint64_t>(extent, 1u << 30), largest);
-  static std::vector<std::byte> scratch;
-  if (scratch.size() < size) scratch.assign(size, std::byte{1});  // touched before timing
+  // Page-aligned, as every segment is: glibc's memcpy on AMD EPYC runs
+  // about 15 times slower when the destination is 1-31 bytes past the
+  // source modulo 4 KiB (4 KiB pieces at 43 GB/s, at 2.7 with 16 bytes;
+  // a std::vector's block starts 16 bytes into its pages), which made this
+  // reference's WRITEs far slower than any copy the transport makes.
+  static std::optional<kb::page_buffer> scratch;
+  if (!scratch || scratch->size() < size) scratch.emplace(size);  // touched before timing
   const auto t0 = kb::clock_type::now();
-  for (const auto& r : reqs) {
-    std::uint64_t at = r.remote_offset % size;
-    if (at + r.length > size) at = size - r.length;
-    auto* local = static_cast<std::byte*>(r.local);
-    if (r.op == kvlink::opcode::read) {  // a READ lands in local memory
-      std::memcpy(local, scratch.data() + at, r.length);
-    } else {
-      std::memcpy(scratch.data() + at, local, r.length);
+  for (std::uint64_t pass = 0; pass < passes; ++pass) {
+    for (const auto& r : reqs) {
+      std::uint64_t at = r.remote_offset % size;
+      if (at + r.length > size) at = size - r.length;
+      auto* local = static_cast<std::byte*>(r.local);
+      if (r.op == kvlink::opcode::read) {  // a READ lands in local memory
+        std::memcpy(local, scratch->data() + at, r.length);
+      } else {
+        std::memcpy(scratch->data() + at, local, r.length);
+      }
     }
   }
   return std::chrono::duration<double, std::milli>(kb::clock_type::now() - t0).count();
+}
+
+// The memcpy reference of a sweep case: its requests (every batch in
+// flight, in order) copied by memcpy_pass for at least `seconds`, after one
+// pass that warms what the case left in the caches. GB/s.
+double memcpy_rate(const std::vector<kvlink::transfer_request>& reqs, double seconds) {
+  std::uint64_t bytes = 0;
+  for (const auto& r : reqs) bytes += r.length;
+  if (bytes == 0) return 0;
+  (void)memcpy_pass(reqs);
+  std::uint64_t passes = 1;
+  for (;;) {
+    const double ms = memcpy_pass(reqs, passes);
+    if (ms >= seconds * 1e3) {
+      return static_cast<double>(bytes * passes) / (ms / 1e3) / 1e9;
+    }
+    passes *= 2;
+  }
 }
 
 struct line_rate_info {
@@ -606,11 +633,14 @@ struct line_rate_info {
   std::string source;
 };
 
-line_rate_info find_line_rate(const kv_options& o, bool local_target) {
-  if (o.line_rate != "measure") {
+// The line rate of rows over `transport`: `line_rate` is a rate in GB/s or
+// "measure" (iperf3 -P 2 over loopback now, for a target on this host).
+line_rate_info find_line_rate(const std::string& line_rate, std::uint32_t seconds,
+                              const std::string& transport, bool local_target) {
+  if (line_rate != "measure") {
     char* end = nullptr;
-    const double v = std::strtod(o.line_rate.c_str(), &end);
-    if (o.line_rate.empty() || end != o.line_rate.c_str() + o.line_rate.size() || !(v > 0)) {
+    const double v = std::strtod(line_rate.c_str(), &end);
+    if (line_rate.empty() || end != line_rate.c_str() + line_rate.size() || !(v > 0)) {
       throw usage_error("--line-rate: a rate in GB/s (10^9 B/s) or 'measure'");
     }
     return {v, "given with --line-rate"};
@@ -623,17 +653,33 @@ line_rate_info find_line_rate(const kv_options& o, bool local_target) {
   // Same-host rows compare with a memcpy of their own pieces (or the
   // device's copies): iperf3's seconds at full load on every core would
   // measure nothing they use and disturb the rows that follow.
-  if (o.engine.transport == "shm") {
+  if (transport == "shm") {
     return {0, "not measured: --transport shm rows compare with a memcpy of their own pieces"};
   }
-  fmt::print(stderr, "line rate: iperf3 -P 2 over loopback for {} s ...\n", o.line_rate_seconds);
+  fmt::print(stderr, "line rate: iperf3 -P 2 over loopback for {} s ...\n", seconds);
   std::string why;
-  const auto r = kb::iperf3_loopback(2, o.line_rate_seconds, why);
+  const auto r = kb::iperf3_loopback(2, seconds, why);
   if (!r) return {0, "unavailable: " + why};
   return {r->receiver_gb_per_s,
           fmt::format("iperf3 -P 2 -t {} over loopback, receiver, measured in this run "
                       "(sender {:.2f} GB/s)",
-                      o.line_rate_seconds, r->sender_gb_per_s)};
+                      seconds, r->sender_gb_per_s)};
+}
+
+// The loopback reference varies with what else runs on the machine: after
+// the rows it is measured again and the higher figure kept (the harder bar).
+void line_rate_again(line_rate_info& rate, const std::string& line_rate, std::uint32_t seconds,
+                     bool local_target) {
+  if (line_rate != "measure" || !local_target || rate.gb_per_s <= 0) return;
+  std::string why;
+  fmt::print(stderr, "line rate: iperf3 -P 2 over loopback again for {} s ...\n", seconds);
+  if (const auto again = kb::iperf3_loopback(2, seconds, why)) {
+    rate.source = fmt::format(
+        "iperf3 -P 2 -t {} over loopback, receiver, measured in this run before ({:.2f}) and "
+        "after ({:.2f}) the rows; the higher one",
+        seconds, rate.gb_per_s, again->receiver_gb_per_s);
+    rate.gb_per_s = std::max(rate.gb_per_s, again->receiver_gb_per_s);
+  }
 }
 
 void print_kv(const kv_options& o, const model_shape& shape, const line_rate_info& rate,
@@ -832,7 +878,8 @@ int run_kv(const kv_options& o) {
   const std::uint64_t max_bytes = std::uint64_t{max_blocks} * bytes_per_block_index(shape.layout);
 
   // The reference first, while nothing else runs.
-  line_rate_info rate = find_line_rate(o, o.connect.empty());
+  line_rate_info rate =
+      find_line_rate(o.line_rate, o.line_rate_seconds, o.engine.transport, o.connect.empty());
 
   target_handle target;
   std::vector<std::string> targs = engine_args(o.engine);
@@ -950,20 +997,7 @@ int run_kv(const kv_options& o) {
     }
     rows.push_back(std::move(row));
   }
-  // The loopback reference varies with what else runs on the machine: measure
-  // it again after the rows and take the higher figure (the harder bar).
-  if (o.line_rate == "measure" && target.local && rate.gb_per_s > 0) {
-    std::string why;
-    fmt::print(stderr, "line rate: iperf3 -P 2 over loopback again for {} s ...\n",
-               o.line_rate_seconds);
-    if (const auto again = kb::iperf3_loopback(2, o.line_rate_seconds, why)) {
-      rate.source = fmt::format(
-          "iperf3 -P 2 -t {} over loopback, receiver, measured in this run before ({:.2f}) and "
-          "after ({:.2f}) the rows; the higher one",
-          o.line_rate_seconds, rate.gb_per_s, again->receiver_gb_per_s);
-      rate.gb_per_s = std::max(rate.gb_per_s, again->receiver_gb_per_s);
-    }
-  }
+  line_rate_again(rate, o.line_rate, o.line_rate_seconds, target.local);
   print_kv(o, shape, rate, where, transport, lanes, rows);
   return rc;
 }
@@ -1008,6 +1042,11 @@ int run_sweep(const sweep_options& o) {
   std::optional<kb::device_copier> copier;
   if (!runtime.empty())
     copier.emplace(find_device(runtime, !o.memory.device.empty()), bench_device);
+
+  // The line rate first, while nothing else runs (rows over shm compare
+  // with a memcpy of their own pieces instead, measured after each case).
+  line_rate_info rate =
+      find_line_rate(o.line_rate, o.line_rate_seconds, o.engine.transport, o.connect.empty());
 
   target_handle target;
   auto targs = engine_args(o.engine);
@@ -1062,11 +1101,28 @@ int run_sweep(const sweep_options& o) {
           std::fflush(stderr);
           kb::case_runner runner{bio, eng, peer, mem.data(), mem.size(), remote_size, timing, r};
           if (!kb::run_and_report(runner, r)) rc = 1;
+          // Same host, host memory: a memcpy of the case's pieces right
+          // after it, so both see the same state of a shared machine.
+          if (!r.error && peer.transport() == "shm" && !local_device && !remote_device) {
+            std::vector<kvlink::transfer_request> all;
+            for (const auto& b : runner.batches()) all.insert(all.end(), b.begin(), b.end());
+            r.memcpy_gb_per_s = memcpy_rate(all, std::min(o.seconds, 0.2));
+          }
           rows.push_back(r);
         }
       }
     }
   }
+  line_rate_again(rate, o.line_rate, o.line_rate_seconds, target.local);
+  const double line = rate.gb_per_s;
+  const bool by_memcpy =
+      std::any_of(rows.begin(), rows.end(), [](const auto& r) { return r.memcpy_gb_per_s > 0; });
+  auto line_share = [&](const kb::case_result& r) {
+    return line > 0 && !r.error ? 100.0 * r.gb_per_s() / line : 0.0;
+  };
+  auto memcpy_share = [](const kb::case_result& r) {
+    return r.memcpy_gb_per_s > 0 && !r.error ? 100.0 * r.gb_per_s() / r.memcpy_gb_per_s : 0.0;
+  };
   // The device copy reference of a row's block size, and kvlink's share of
   // the copy its staging makes (as in the kv table).
   const bool by_copy = !copy_rates.empty();
@@ -1105,20 +1161,33 @@ int run_sweep(const sweep_options& o) {
         x["h2d_gb_per_s"] = rates_of(r.block).h2d_gb_per_s;
         x["copy_share"] = copy_share(r) / 100;
       }
+      x["line_rate_gb_per_s"] = line > 0 ? nlohmann::json(line) : nlohmann::json(nullptr);
+      x["line_rate_share"] =
+          line > 0 && !r.error ? nlohmann::json(line_share(r) / 100) : nlohmann::json(nullptr);
+      if (r.memcpy_gb_per_s > 0) {
+        x["memcpy_gb_per_s"] = r.memcpy_gb_per_s;
+        x["memcpy_share"] = memcpy_share(r) / 100;
+      }
       j.push_back(std::move(x));
     }
     fmt::print("{}\n", j.dump(2));
   } else if (o.csv) {
     fmt::print(
         "op,block_bytes,batch,depth,lanes,bytes,seconds,gb_per_s,gib_per_s,"
-        "mean_batch_latency_us,error,src_memory,dst_memory,device,d2h_gb_per_s,h2d_gb_per_s\n");
+        "mean_batch_latency_us,error,src_memory,dst_memory,device,d2h_gb_per_s,h2d_gb_per_s,"
+        "line_rate_gb_per_s,line_rate_share_pct,memcpy_gb_per_s,memcpy_share_pct\n");
     for (const auto& r : rows) {
       fmt::print("{},{},{},{},{},{},{:.6f},{:.4f},{:.4f},{:.1f},{},", kb::op_name(r.op), r.block,
                  r.batch, r.depth, r.lanes, r.bytes, r.seconds, r.gb_per_s(), r.gib_per_s(),
                  r.mean_latency_us, r.error ? r.error.message() : std::string{});
-      fmt::print("{},{},{},{},{}\n", o.memory.src, o.memory.dst, runtime,
+      fmt::print("{},{},{},{},{},", o.memory.src, o.memory.dst, runtime,
                  by_copy ? fmt::format("{:.4f}", rates_of(r.block).d2h_gb_per_s) : "",
                  by_copy ? fmt::format("{:.4f}", rates_of(r.block).h2d_gb_per_s) : "");
+      const bool memcpy_ref = r.memcpy_gb_per_s > 0 && !r.error;
+      fmt::print("{},{},{},{}\n", line > 0 ? fmt::format("{:.4f}", line) : "",
+                 line > 0 && !r.error ? fmt::format("{:.2f}", line_share(r)) : "",
+                 memcpy_ref ? fmt::format("{:.4f}", r.memcpy_gb_per_s) : "",
+                 memcpy_ref ? fmt::format("{:.2f}", memcpy_share(r)) : "");
     }
   } else {
     fmt::print(
@@ -1127,6 +1196,16 @@ int run_sweep(const sweep_options& o) {
         used_transport, target.local ? "child process on loopback" : target.address, o.depth,
         o.block_layout, o.engine.threads);
     print_memory_header(o.memory, ops, o.engine.memory);
+    if (by_memcpy) {
+      fmt::print(
+          "# memcpy reference: after each case, one core copies the case's pieces (every batch in "
+          "flight, the same lengths, the same local buffers, the target's offsets in a buffer of "
+          "this process) for at least {:.2f} s; memcpy% = kvlink / that copy\n",
+          std::min(o.seconds, 0.2));
+    } else {
+      fmt::print("# line rate: {}{}\n",
+                 line > 0 ? fmt::format("{:.2f} GB/s, ", line) : std::string{}, rate.source);
+    }
     if (by_copy) {
       fmt::print(
           "# device copy reference: one {} stream (device {}) copying blocks of the row's size "
@@ -1135,9 +1214,12 @@ int run_sweep(const sweep_options& o) {
           "device src, H2D for a device dst, the slower for both)\n",
           runtime, bench_device);
     }
-    fmt::print("{:>5} {:<6} {:>9} {:>6} {:>9} {:>9} {:>13}{}\n", "lanes", "op", "block", "batch",
+    fmt::print("{:>5} {:<6} {:>9} {:>6} {:>9} {:>9} {:>13}{}{}\n", "lanes", "op", "block", "batch",
                "GB/s", "GiB/s", "lat/batch us",
-               by_copy ? fmt::format(" {:>9} {:>9} {:>6}", "D2H GB/s", "H2D GB/s", "copy%") : "");
+               by_copy ? fmt::format(" {:>9} {:>9} {:>6}", "D2H GB/s", "H2D GB/s", "copy%") : "",
+               by_memcpy  ? fmt::format(" {:>11} {:>8}", "memcpy GB/s", "memcpy%")
+               : line > 0 ? fmt::format(" {:>6}", "line%")
+                          : "");
     for (const auto& r : rows) {
       if (r.error) {
         fmt::print("{:>5} {:<6} {:>9} {:>6} error: {}\n", r.lanes, kb::op_name(r.op),
@@ -1145,11 +1227,14 @@ int run_sweep(const sweep_options& o) {
         continue;
       }
       fmt::print(
-          "{:>5} {:<6} {:>9} {:>6} {:>9.2f} {:>9.2f} {:>13.1f}{}\n", r.lanes, kb::op_name(r.op),
+          "{:>5} {:<6} {:>9} {:>6} {:>9.2f} {:>9.2f} {:>13.1f}{}{}\n", r.lanes, kb::op_name(r.op),
           kvlink::format_size(r.block), r.batch, r.gb_per_s(), r.gib_per_s(), r.mean_latency_us,
           by_copy ? fmt::format(" {:>9.2f} {:>9.2f} {:>6.1f}", rates_of(r.block).d2h_gb_per_s,
                                 rates_of(r.block).h2d_gb_per_s, copy_share(r))
-                  : "");
+                  : "",
+          by_memcpy  ? fmt::format(" {:>11.2f} {:>8.1f}", r.memcpy_gb_per_s, memcpy_share(r))
+          : line > 0 ? fmt::format(" {:>6.1f}", line_share(r))
+                     : "");
     }
   }
   return rc;
@@ -1214,6 +1299,15 @@ int main(int argc, char** argv) {
                    "scattered (remote blocks 4 KiB apart: no coalescing) or contiguous")
       ->capture_default_str()
       ->check(CLI::IsMember({"contiguous", "scattered"}));
+  sweep_cmd
+      ->add_option("--line-rate", sw.line_rate,
+                   "reference of rows over the network in GB/s, or 'measure' (iperf3 -P 2 over "
+                   "loopback before and after the rows, the higher one); rows over shm compare "
+                   "with a memcpy of their own pieces instead")
+      ->capture_default_str();
+  sweep_cmd->add_option("--line-rate-seconds", sw.line_rate_seconds, "iperf3 -t for 'measure'")
+      ->capture_default_str()
+      ->check(CLI::Range(1u, 60u));
   sweep_cmd->add_flag("--csv", sw.csv, "CSV on stdout");
   sweep_cmd->add_flag("--json", sw.json, "JSON on stdout");
 
