@@ -8,6 +8,7 @@
 #include <vector>
 
 #include <asio/io_context.hpp>
+#include <asio/ip/tcp.hpp>
 #include <sys/resource.h>
 
 namespace kvlink_test {
@@ -86,6 +87,18 @@ bool run_until(asio::io_context& io, Pred done, std::chrono::seconds limit = 120
   }
   return true;
 }
+
+// Both ends of one TCP connection over loopback, on `io`.
+struct loopback_connection {
+  asio::io_context io;
+  asio::ip::tcp::socket connected{io};  // the end that connected
+  asio::ip::tcp::socket accepted{io};   // the end the listener accepted
+  loopback_connection() {
+    asio::ip::tcp::acceptor listener(io, {asio::ip::address_v4::loopback(), 0});
+    connected.connect(listener.local_endpoint());
+    listener.accept(accepted);
+  }
+};
 
 // User + system CPU time of every thread of this process, in seconds: what
 // benches report beside the wall clock, which a shared machine inflates.

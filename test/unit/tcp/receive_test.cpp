@@ -24,18 +24,6 @@ namespace {
 using namespace std::chrono_literals;
 using asio::ip::tcp;
 
-// A connected pair over loopback: `in` on io, `out` blocking.
-struct pair {
-  asio::io_context io;
-  tcp::socket in{io};
-  tcp::socket out{io};
-  pair() {
-    tcp::acceptor acc(io, tcp::endpoint(asio::ip::make_address("127.0.0.1"), 0));
-    out.connect(acc.local_endpoint());
-    acc.accept(in);
-  }
-};
-
 int rcvlowat(tcp::socket& s) {
   int v = 0;
   socklen_t len = sizeof v;
@@ -46,24 +34,24 @@ int rcvlowat(tcp::socket& s) {
 }  // namespace
 
 TEST_CASE("low_water_mark sets SO_RCVLOWAT, at most a quarter of the receive buffer") {
-  pair p;
-  p.in.set_option(asio::socket_base::receive_buffer_size(64 << 10));  // the kernel doubles it
+  kvlink_test::loopback_connection p;
+  p.accepted.set_option(asio::socket_base::receive_buffer_size(64 << 10));  // the kernel doubles it
   kvlink::tcp::low_water_mark m;
   CHECK(m.get() == 1);
-  CHECK(rcvlowat(p.in) == 1);
-  m.set(p.in, 5000);
+  CHECK(rcvlowat(p.accepted) == 1);
+  m.set(p.accepted, 5000);
   CHECK(m.get() == 5000);
-  CHECK(rcvlowat(p.in) == 5000);
-  m.set(p.in, 0);  // at least 1
+  CHECK(rcvlowat(p.accepted) == 5000);
+  m.set(p.accepted, 0);  // at least 1
   CHECK(m.get() == 1);
-  CHECK(rcvlowat(p.in) == 1);
-  m.set(p.in, 1 << 20);  // 128 KiB of buffer: 32 KiB
+  CHECK(rcvlowat(p.accepted) == 1);
+  m.set(p.accepted, 1 << 20);  // 128 KiB of buffer: 32 KiB
   CHECK(m.get() == 32 << 10);
-  CHECK(rcvlowat(p.in) == 32 << 10);
+  CHECK(rcvlowat(p.accepted) == 32 << 10);
 }
 
 TEST_CASE("receive_all: scattered pieces from a slow sender, all in place, the mark back at 1") {
-  pair p;
+  kvlink_test::loopback_connection p;
   // 24 pieces of 1 B .. 70,000 B, 600 KiB in all: more than the mark.
   std::vector<std::vector<std::byte>> pieces;
   std::size_t total = 0;
@@ -79,7 +67,7 @@ TEST_CASE("receive_all: scattered pieces from a slow sender, all in place, the m
   kvlink::tcp::low_water_mark mark;
   bool done = false;
   std::error_code result;
-  kvlink::tcp::receive_all(p.in, bufs, 0, total, mark, [&](std::error_code ec) {
+  kvlink::tcp::receive_all(p.accepted, bufs, 0, total, mark, [&](std::error_code ec) {
     result = ec;
     done = true;
   });
@@ -89,7 +77,7 @@ TEST_CASE("receive_all: scattered pieces from a slow sender, all in place, the m
     std::size_t at = 0;
     for (std::size_t k = 1; at < total; ++k) {
       const std::size_t n = std::min(total - at, (k * 12347) % 49000 + 1000);
-      asio::write(p.out, asio::buffer(sent.data() + at, n));
+      asio::write(p.connected, asio::buffer(sent.data() + at, n));
       at += n;
       std::this_thread::sleep_for(1ms);
     }
@@ -107,23 +95,23 @@ TEST_CASE("receive_all: scattered pieces from a slow sender, all in place, the m
   }
   CHECK(same);
   CHECK(mark.get() == 1);
-  CHECK(rcvlowat(p.in) == 1);
+  CHECK(rcvlowat(p.accepted) == 1);
 }
 
 TEST_CASE("receive_all: the end of the stream ends it with eof") {
-  pair p;
+  kvlink_test::loopback_connection p;
   std::vector<std::byte> dst(5000);
   std::vector<asio::mutable_buffer> bufs{asio::buffer(dst)};
   kvlink::tcp::low_water_mark mark;
   bool done = false;
   std::error_code result;
-  kvlink::tcp::receive_all(p.in, bufs, 0, dst.size(), mark, [&](std::error_code ec) {
+  kvlink::tcp::receive_all(p.accepted, bufs, 0, dst.size(), mark, [&](std::error_code ec) {
     result = ec;
     done = true;
   });
   std::vector<std::byte> some(1000, std::byte{7});
-  asio::write(p.out, asio::buffer(some));
-  p.out.close();
+  asio::write(p.connected, asio::buffer(some));
+  p.connected.close();
   REQUIRE(kvlink_test::run_until(
       p.io, [&] { return done; }, 20s));
   CHECK(result == asio::error::eof);
@@ -131,7 +119,7 @@ TEST_CASE("receive_all: the end of the stream ends it with eof") {
 }
 
 TEST_CASE("receive_all: a destination that is not memory ends it with EFAULT") {
-  pair p;
+  kvlink_test::loopback_connection p;
   const std::size_t page = 4096;
   void* m = ::mmap(nullptr, page, PROT_NONE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
   REQUIRE(m != MAP_FAILED);
@@ -140,12 +128,12 @@ TEST_CASE("receive_all: a destination that is not memory ends it with EFAULT") {
   kvlink::tcp::low_water_mark mark;
   bool done = false;
   std::error_code result;
-  kvlink::tcp::receive_all(p.in, bufs, 0, 100 + page, mark, [&](std::error_code ec) {
+  kvlink::tcp::receive_all(p.accepted, bufs, 0, 100 + page, mark, [&](std::error_code ec) {
     result = ec;
     done = true;
   });
   std::vector<std::byte> data(100 + page, std::byte{3});
-  asio::write(p.out, asio::buffer(data));
+  asio::write(p.connected, asio::buffer(data));
   REQUIRE(kvlink_test::run_until(
       p.io, [&] { return done; }, 20s));
   CHECK(result == asio::error::fault);  // EFAULT

@@ -22,27 +22,31 @@
 namespace {
 
 using namespace std::chrono_literals;
-using asio::ip::tcp;
 
-// A connected pair over loopback: `out` on io, `in` blocking.
-struct send_pair {
-  asio::io_context io;
-  tcp::socket out{io};
-  tcp::socket in{io};
-  send_pair() {
-    tcp::acceptor acc(io, tcp::endpoint(asio::ip::make_address("127.0.0.1"), 0));
-    out.connect(acc.local_endpoint());
-    acc.accept(in);
-  }
-};
+using connection = kvlink_test::loopback_connection;
+
+// send_all of `bufs` from `at` on to the accepting end, run to its end.
+std::error_code send_and_wait(connection& p, std::vector<asio::const_buffer>& bufs,
+                              std::size_t at = 0) {
+  kvlink::tcp::gather_state state;
+  bool done = false;
+  std::error_code result;
+  kvlink::tcp::send_all(p.connected, bufs, at, state, [&](std::error_code ec) {
+    result = ec;
+    done = true;
+  });
+  REQUIRE(kvlink_test::run_until(
+      p.io, [&] { return done; }, 20s));
+  return result;
+}
 
 }  // namespace
 
 TEST_CASE("send_all: 3,000 buffers to a slow reader, every byte in order, done once and later") {
-  send_pair p;
+  connection p;
   // Small buffers on both sides: the sender's socket fills many times.
-  p.out.set_option(asio::socket_base::send_buffer_size(32 << 10));
-  p.in.set_option(asio::socket_base::receive_buffer_size(32 << 10));
+  p.connected.set_option(asio::socket_base::send_buffer_size(32 << 10));
+  p.accepted.set_option(asio::socket_base::receive_buffer_size(32 << 10));
   // 3,000 pieces of 0 .. 9,000 bytes (every 7th empty), about 13 MB: three
   // calls' worth of buffers (IOV_MAX is 1,024) many times over.
   std::vector<std::byte> data(14 << 20);
@@ -60,7 +64,7 @@ TEST_CASE("send_all: 3,000 buffers to a slow reader, every byte in order, done o
   kvlink::tcp::gather_state state;
   int calls = 0;
   std::error_code result;
-  kvlink::tcp::send_all(p.out, bufs, 0, state, [&](std::error_code ec) {
+  kvlink::tcp::send_all(p.connected, bufs, 0, state, [&](std::error_code ec) {
     result = ec;
     ++calls;
   });
@@ -70,7 +74,7 @@ TEST_CASE("send_all: 3,000 buffers to a slow reader, every byte in order, done o
     std::size_t have = 0;
     for (std::size_t k = 1; have < got.size(); ++k) {
       const std::size_t n = std::min(got.size() - have, (k * 12347) % 60000 + 1000);
-      have += asio::read(p.in, asio::buffer(got.data() + have, n));
+      have += asio::read(p.accepted, asio::buffer(got.data() + have, n));
       if (k % 16 == 0) std::this_thread::sleep_for(1ms);
     }
   });
@@ -82,67 +86,41 @@ TEST_CASE("send_all: 3,000 buffers to a slow reader, every byte in order, done o
   CHECK(calls == 1);
   CHECK(std::memcmp(got.data(), expected.data(), expected.size()) == 0);
   // Nothing more was written than the buffers held.
-  p.out.close();
+  p.connected.close();
   std::byte extra{};
   std::error_code eof;
-  asio::read(p.in, asio::buffer(&extra, 1), eof);
+  asio::read(p.accepted, asio::buffer(&extra, 1), eof);
   CHECK(eof == asio::error::eof);
 }
 
 TEST_CASE("send_all: from an index, the first buffer partly written before") {
-  send_pair p;
+  connection p;
   std::vector<std::byte> a(1000, std::byte{1}), b(3000, std::byte{2});
   std::vector<asio::const_buffer> bufs{asio::buffer(a), asio::buffer(b) + 500};
-  kvlink::tcp::gather_state state;
-  bool done = false;
-  std::error_code result;
-  kvlink::tcp::send_all(p.out, bufs, 1, state, [&](std::error_code ec) {
-    result = ec;
-    done = true;
-  });
-  REQUIRE(kvlink_test::run_until(
-      p.io, [&] { return done; }, 20s));
-  CHECK(!result);
+  CHECK(!send_and_wait(p, bufs, 1));
   std::vector<std::byte> got(2500);
-  asio::read(p.in, asio::buffer(got));
+  asio::read(p.accepted, asio::buffer(got));
   CHECK(std::all_of(got.begin(), got.end(), [](std::byte x) { return x == std::byte{2}; }));
 }
 
 TEST_CASE("send_all: a buffer that is not memory ends it with EFAULT") {
-  send_pair p;
+  connection p;
   const std::size_t page = 4096;
   void* m = ::mmap(nullptr, page, PROT_NONE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
   REQUIRE(m != MAP_FAILED);
   std::vector<std::byte> first(100, std::byte{5});
   std::vector<asio::const_buffer> bufs{asio::buffer(first), asio::const_buffer(m, page)};
-  kvlink::tcp::gather_state state;
-  bool done = false;
-  std::error_code result;
-  kvlink::tcp::send_all(p.out, bufs, 0, state, [&](std::error_code ec) {
-    result = ec;
-    done = true;
-  });
-  REQUIRE(kvlink_test::run_until(
-      p.io, [&] { return done; }, 20s));
-  CHECK(result == asio::error::fault);  // EFAULT
+  CHECK(send_and_wait(p, bufs) == asio::error::fault);  // EFAULT
   ::munmap(m, page);
 }
 
 TEST_CASE("send_all: a peer that is gone ends it with its error, no SIGPIPE") {
-  send_pair p;
-  p.in.close();
+  connection p;
+  p.accepted.close();
   std::vector<std::byte> data(8 << 20, std::byte{9});
   std::vector<asio::const_buffer> bufs;
   for (std::size_t i = 0; i < 2048; ++i) bufs.emplace_back(data.data() + i * 4096, 4096);
-  kvlink::tcp::gather_state state;
-  bool done = false;
-  std::error_code result;
-  kvlink::tcp::send_all(p.out, bufs, 0, state, [&](std::error_code ec) {
-    result = ec;
-    done = true;
-  });
-  REQUIRE(kvlink_test::run_until(
-      p.io, [&] { return done; }, 20s));
+  const auto result = send_and_wait(p, bufs);
   CAPTURE(result.message());
   CHECK((result == asio::error::broken_pipe || result == asio::error::connection_reset));
 }
