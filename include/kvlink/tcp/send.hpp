@@ -3,10 +3,10 @@
 //
 // Why: asio's async_write hands the kernel at most 64 buffers and 64 KiB per
 // sendmsg (asio::detail::max_iov_len, asio::default_max_transfer_size). A
-// vector frame of 256 pieces of 4 KiB is 258 buffers and 1 MiB, so a write of
-// 16 such frames took 256 calls, each paying the system call and TCP's
-// per-call work and, over loopback, the receiver's processing and wake-up run
-// on the sender's core. One call per `send_quantum` (256 KiB, the receivers'
+// vector frame of 256 pieces of 4 KiB is 258 buffers and 1 MiB, so each such
+// frame took 16 calls, each paying the system call and TCP's per-call work
+// and, over loopback, the receiver's processing and wake-up run on the
+// sender's core. One call per `send_quantum` (256 KiB, the receivers'
 // low-water mark: tcp/receive.hpp) cut that by four, and did better than
 // larger calls too: a sender that fills its socket buffer in one call and
 // then waits for room (4 MiB calls: 1 MiB slices at 2.3-2.8 GB/s against
