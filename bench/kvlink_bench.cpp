@@ -589,7 +589,7 @@ double memcpy_pass(const std::vector<kvlink::transfer_request>& reqs, std::uint6
       std::max<std::uint64_t>(std::min<std::uint64_t>(extent, 1u << 30), largest);
   // Page-aligned, as every segment is: glibc's memcpy on AMD EPYC runs
   // about 15 times slower when the destination is 1-31 bytes past the
-  // source modulo 4 KiB (4 KiB pieces at 43 GB/s, at 2.7 with 16 bytes;
+  // source modulo 4 KiB (4 KiB pieces at 40-46 GB/s, 2.7-15 at 16 bytes;
   // a std::vector's block starts 16 bytes into its pages), which made this
   // reference's WRITEs far slower than any copy the transport makes.
   static std::optional<kb::page_buffer> scratch;
