@@ -9,11 +9,11 @@
 // sender's core. One call per `send_quantum` (256 KiB, the receivers'
 // low-water mark: tcp/receive.hpp) cut that by four, and did better than
 // larger calls too: a sender that fills its socket buffer in one call and
-// then waits for room (4 MiB calls: 1 MiB slices at 2.3-2.8 GB/s against
-// 3.1-3.8 with asio's writes, this VM) leaves both cores idle in turn, while
+// then waits for room (4 MiB calls: 1 MiB slices at 2.3-2.8 GiB/s against
+// 3.0-3.8 with asio's writes, this VM) leaves both cores idle in turn, while
 // calls of the quantum, each followed by a turn of the io_context (the
 // acknowledgements read, the other lanes served), kept 1 MiB slices at
-// 4.2-4.5 GB/s.
+// 3.7-4.5 GiB/s.
 #pragma once
 
 #include <algorithm>
