@@ -93,7 +93,7 @@ void send_all(Socket& s, std::vector<asio::const_buffer>& bufs, std::size_t at, 
                  });
     return;
   }
-  // Past what was written.
+  // Past what was written (and the empty buffers after it).
   for (auto left = static_cast<std::size_t>(sent); left > 0;) {
     auto& b = bufs[at];
     if (left < b.size()) {
@@ -102,6 +102,11 @@ void send_all(Socket& s, std::vector<asio::const_buffer>& bufs, std::size_t at, 
     }
     left -= b.size();
     ++at;
+  }
+  while (at < bufs.size() && bufs[at].size() == 0) ++at;
+  if (at == bufs.size()) {  // all written: one post, the completion
+    asio::post(s.get_executor(), [d = std::move(done)]() mutable { d(std::error_code{}); });
+    return;
   }
   asio::post(s.get_executor(), [&s, &bufs, &state, at, done = std::move(done)]() mutable {
     send_all(s, bufs, at, state, std::move(done));
