@@ -10,8 +10,14 @@
 // descriptor (Google Benchmark's rates use CPU time), the figure the engine's
 // budget (<= 25 ns at 10^5) is stated in; the console prints it with a
 // trailing "s", the library's unit for inverted rates.
+//
+// And kvlink::destinations_overlap (the engine's check that no two requests
+// of a transfer write the same bytes) over 4 KiB destinations shuffled over
+// 4 KiB * n of one segment (segments 1: the radix-sorted keys) or
+// alternating between two segments (2: std::sort of the ranges).
 #include <kvlink/planner/slice_planner.hpp>
 
+#include <algorithm>
 #include <cstdint>
 #include <random>
 #include <stdexcept>
@@ -70,6 +76,32 @@ void bm_plan(benchmark::State& state) {
   state.counters["lanes_used"] = static_cast<double>(st.lanes_used);
 }
 
+void bm_overlap(benchmark::State& state) {
+  const auto n = static_cast<std::uint64_t>(state.range(0));
+  const auto segments = static_cast<std::uint64_t>(state.range(1));
+  std::vector<kvlink::destination_range> shuffled;
+  for (std::uint64_t i = 0; i < n; ++i) {
+    shuffled.push_back({1, i % segments, (i / segments) * 4096, 4096});
+  }
+  std::mt19937_64 rng{42};
+  std::shuffle(shuffled.begin(), shuffled.end(), rng);
+  std::vector<kvlink::destination_range> ranges;
+  std::vector<std::uint64_t> scratch;  // reused, as the engine does
+  for (auto _ : state) {
+    state.PauseTiming();
+    ranges = shuffled;  // it may sort them
+    state.ResumeTiming();
+    if (kvlink::destinations_overlap(ranges, scratch)) {
+      state.SkipWithError("disjoint ranges said to overlap");
+      break;
+    }
+    benchmark::ClobberMemory();
+  }
+  state.counters["ns_per_range"] = benchmark::Counter(
+      static_cast<double>(n) / 1e9,
+      benchmark::Counter::kIsIterationInvariantRate | benchmark::Counter::kInvert);
+}
+
 }  // namespace
 
 // Args: {shape, descriptors, lanes}.
@@ -77,5 +109,11 @@ BENCHMARK(bm_plan)
     ->ArgNames({"shape", "descs", "lanes"})
     ->ArgsProduct({{0, 1}, {1'000, 10'000, 100'000}, {4}})
     ->Args({1, 100'000, 64});  // O(lanes) per slice: the worst case for striping
+
+// Args: {ranges, segments}.
+BENCHMARK(bm_overlap)
+    ->ArgNames({"ranges", "segments"})
+    ->ArgsProduct({{10'000, 150'000}, {1, 2}})
+    ->Unit(benchmark::kMillisecond);
 
 BENCHMARK_MAIN();

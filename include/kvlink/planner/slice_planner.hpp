@@ -509,28 +509,92 @@ struct destination_range {
   std::uint64_t length = 0;
 };
 
+namespace detail {
+
+/// Sorts `keys` by their low `bits` bits (LSD radix, 11-bit digits), using
+/// `tmp` (as long) for the passes; the result is in `keys`.
+inline void radix_sort(std::span<std::uint64_t> keys, std::span<std::uint64_t> tmp, unsigned bits) {
+  constexpr unsigned digit = 11;
+  constexpr std::uint64_t mask = (std::uint64_t{1} << digit) - 1;
+  const unsigned passes = (bits + digit - 1) / digit;
+  std::vector<std::uint32_t> count(std::size_t{passes} << digit, 0);
+  for (const auto k : keys) {
+    for (unsigned p = 0; p < passes; ++p)
+      ++count[(std::size_t{p} << digit) + ((k >> (p * digit)) & mask)];
+  }
+  std::span<std::uint64_t> from = keys, to = tmp;
+  for (unsigned p = 0; p < passes; ++p) {
+    std::uint32_t* c = count.data() + (std::size_t{p} << digit);
+    std::uint32_t at = 0;
+    for (std::uint64_t d = 0; d <= mask; ++d) at += std::exchange(c[d], at);
+    for (const auto k : from) to[c[(k >> (p * digit)) & mask]++] = k;
+    std::swap(from, to);
+  }
+  if (from.data() != keys.data()) std::copy(from.begin(), from.end(), keys.begin());
+}
+
+}  // namespace detail
+
 /// The rule for one transfer's requests: no two of them write the same byte.
 /// Its slices run concurrently, on several lanes and peers, so bytes two
 /// requests both wrote would hold whichever landed last; the engine refuses
 /// such a batch (errc::overlapping_destinations) before anything moves.
 /// Sources may overlap (the same local bytes written to two places, the same
 /// remote bytes read twice), and ranges may touch. Whether two of `ranges`
-/// share a byte; sorts `ranges` unless they are in order already (as the KV
-/// layer emits them): O(n) then, O(n log n) otherwise. At 10^5 requests
-/// about 0.2 ms in order and 30-70 ms shuffled on this project's loaded
-/// 2-core machine, against about 650 ms for the engine to move 10^5 small
-/// requests. Lengths are at least 1 and ranges do not wrap (the engine
-/// validated them).
-inline bool destinations_overlap(std::span<destination_range> ranges) {
+/// share a byte:
+///   - ranges in order already (as the KV layer emits them): O(n);
+///   - else, at least 1024 ranges all in one space and segment (one peer's
+///     segment, or local memory) whose offset from the lowest and length
+///     fit 63 bits together: the keys radix-sorted in `scratch`,
+///     O(n). 1.5 * 10^5 shuffled requests in one segment: 2.4 ms, against
+///     14.6 ms for std::sort of the same ranges in two segments
+///     (planner_bench bm_overlap, this project's loaded 2-core machine);
+///   - else `ranges` are sorted: O(n log n).
+/// Lengths are at least 1 and ranges do not wrap (the engine validated them).
+inline bool destinations_overlap(std::span<destination_range> ranges,
+                                 std::vector<std::uint64_t>& scratch) {
   if (ranges.size() < 2) return false;
   const auto before = [](const destination_range& a, const destination_range& b) {
     if (a.space != b.space) return a.space < b.space;
     if (a.segment != b.segment) return a.segment < b.segment;
     return a.offset < b.offset;
   };
-  // Batches in address order (the KV layer's) need no sort.
   if (!std::is_sorted(ranges.begin(), ranges.end(), before)) {
-    std::sort(ranges.begin(), ranges.end(), before);
+    const auto& f = ranges.front();
+    bool one_segment = ranges.size() >= 1024;
+    std::uint64_t low = f.offset, high = f.offset, longest = 0, any = 0;
+    for (std::size_t i = 0; i < ranges.size() && one_segment; ++i) {
+      const auto& r = ranges[i];
+      one_segment = r.space == f.space && r.segment == f.segment;
+      low = std::min(low, r.offset);
+      high = std::max(high, r.offset);
+      longest = std::max(longest, r.length);
+      any |= r.offset ^ f.offset;  // the bits in which offsets differ
+    }
+    // Offsets all aligned alike (4 KiB pieces) leave their low bits out.
+    const auto shift = any == 0 ? 0u : static_cast<unsigned>(std::countr_zero(any));
+    const auto length_bits = static_cast<unsigned>(std::bit_width(longest));
+    const auto bits = static_cast<unsigned>(std::bit_width((high - low) >> shift)) + length_bits;
+    if (!one_segment || bits > 63) {
+      std::sort(ranges.begin(), ranges.end(), before);
+    } else {
+      // Key: the offset from the lowest (its common low bits out), then
+      // the length.
+      const std::size_t n = ranges.size();
+      scratch.resize(2 * n);
+      const std::span<std::uint64_t> keys{scratch.data(), n};
+      for (std::size_t i = 0; i < n; ++i) {
+        keys[i] = ((ranges[i].offset - low) >> shift) << length_bits | ranges[i].length;
+      }
+      detail::radix_sort(keys, {scratch.data() + n, n}, bits);
+      const std::uint64_t length_mask = (std::uint64_t{1} << length_bits) - 1;
+      for (std::size_t i = 1; i < n; ++i) {  // as below
+        const std::uint64_t gap = ((keys[i] >> length_bits) - (keys[i - 1] >> length_bits))
+                                  << shift;
+        if (gap < (keys[i - 1] & length_mask)) return true;
+      }
+      return false;
+    }
   }
   for (std::size_t i = 1; i < ranges.size(); ++i) {
     const auto& a = ranges[i - 1];
@@ -542,6 +606,12 @@ inline bool destinations_overlap(std::span<destination_range> ranges) {
     }
   }
   return false;
+}
+
+/// The same, with scratch memory of its own.
+inline bool destinations_overlap(std::span<destination_range> ranges) {
+  std::vector<std::uint64_t> scratch;
+  return destinations_overlap(ranges, scratch);
 }
 
 }  // namespace kvlink

@@ -5,6 +5,7 @@
 #include <cstdint>
 #include <limits>
 #include <random>
+#include <tuple>
 #include <vector>
 
 #include <doctest/doctest.h>
@@ -552,4 +553,76 @@ TEST_CASE("destinations_overlap: a shared byte in one space and segment, never t
   CHECK_FALSE(overlap(many));
   many.push_back({1, 3, 50000 * 4096 + 4095, 2});
   CHECK(overlap(many));
+}
+
+TEST_CASE(
+    "destinations_overlap: large batches (radix-sorted keys) agree with a sort of the ranges") {
+  using kvlink::destination_range;
+  // The answer of the rule itself: sort by (space, segment, offset), look
+  // at neighbours.
+  const auto reference = [](std::vector<destination_range> v) {
+    std::sort(v.begin(), v.end(), [](const auto& a, const auto& b) {
+      return std::tie(a.space, a.segment, a.offset) < std::tie(b.space, b.segment, b.offset);
+    });
+    for (std::size_t i = 1; i < v.size(); ++i) {
+      if (v[i].space == v[i - 1].space && v[i].segment == v[i - 1].segment &&
+          v[i].offset - v[i - 1].offset < v[i - 1].length) {
+        return true;
+      }
+    }
+    return false;
+  };
+  std::mt19937_64 g{11};
+  std::vector<std::uint64_t> scratch;  // kept from one call to the next, as the engine does
+  int overlapping = 0;
+  for (int round = 0; round < 200; ++round) {
+    // Pieces of varying lengths laid out in order with gaps (or not), then
+    // perhaps one moved onto another, then shuffled.
+    const std::size_t n = 1024 + g() % 3000;
+    const std::uint64_t base = round % 4 == 0 ? ~0ull - (n << 22) : (g() % (1ull << 40));
+    std::vector<destination_range> v;
+    std::uint64_t at = base;
+    for (std::size_t i = 0; i < n; ++i) {
+      // Every seventh round aligned to 256 bytes (keys without those bits).
+      const std::uint64_t align = round % 7 == 0 ? 256 : 1;
+      const std::uint64_t len = align * (1 + g() % (round % 3 == 0 ? 8192 : 64));
+      v.push_back({7, 9, at, len});
+      at += len + align * (g() % 2 == 0 ? 0 : g() % 100);
+    }
+    if (round % 2 == 0) {
+      auto& victim = v[g() % n];
+      const auto& onto = v[g() % n];
+      victim.offset = onto.offset + g() % onto.length;  // shares at least one byte, or itself
+      if (&victim == &onto) victim.length = onto.length;
+    }
+    if (round % 5 == 0 && round % 4 != 0) {
+      v[g() % n].length = 1ull << 40;  // long: covers far pieces, or not (std::sort's path)
+    }
+    std::shuffle(v.begin(), v.end(), g);
+    const bool want = reference(v);
+    overlapping += want ? 1 : 0;
+    auto copy = v;
+    INFO("round " << round);
+    CHECK(kvlink::destinations_overlap(copy, scratch) == want);
+    CHECK(kvlink::destinations_overlap(v) == want);
+  }
+  CHECK(overlapping > 50);  // both answers were asked for
+  CHECK(overlapping < 190);
+
+  // Ranges near the top of the address space, and one past another's end
+  // by one byte (touching) or inside it.
+  std::vector<destination_range> top;
+  for (std::uint64_t i = 0; i < 2000; ++i) top.push_back({0, 0, ~0ull - (i + 1) * 64, 64});
+  std::shuffle(top.begin(), top.end(), g);
+  CHECK_FALSE(kvlink::destinations_overlap(top, scratch));
+  top.push_back({0, 0, ~0ull - 64 * 1000 + 63, 1});
+  CHECK(kvlink::destinations_overlap(top, scratch));
+
+  // Two segments (std::sort's path): the same offsets do not overlap.
+  std::vector<destination_range> two;
+  for (std::uint64_t i = 0; i < 3000; ++i) two.push_back({1, i % 2, (i / 2) * 4096, 4096});
+  std::shuffle(two.begin(), two.end(), g);
+  CHECK_FALSE(kvlink::destinations_overlap(two, scratch));
+  two.push_back({1, 1, 4096 * 10 + 1, 4096});
+  CHECK(kvlink::destinations_overlap(two, scratch));
 }
