@@ -573,7 +573,9 @@ class ring_client : public std::enable_shared_from_this<ring_client> {
   /// peer copies while the engine still plans the rest of a transfer.
   void add(const slice_ref& s) {
     queue_.push_back(s);
-    if (queue_.size() >= early() && !failed_) fill(true);
+    if (queue_.size() < early() || failed_) return;
+    if (posted_ - retired_ == slots_.size()) collect(false);
+    if (!failed_) fill(true);
   }
 
   /// Fills free slots, reports finished ones, and sleeps on the target's
@@ -699,10 +701,14 @@ class ring_client : public std::enable_shared_from_this<ring_client> {
     }
   }
 
-  void collect() {
+  // `run_waiting`: runs the waiters now through, and fails the ring on a
+  // bad count; add() leaves those, and the reports, to pump(), outside the
+  // engine's planning.
+  void collect(bool run_waiting = true) {
     auto& c = map_->ctl();
     const std::uint64_t done = ring_detail::load(c.done);
     if (done < retired_ || done > posted_) {
+      if (!run_waiting) return;
       detail::log("shm: the peer's ring says {} slots are finished, {} were published: failing it",
                   done, posted_);
       fatal(errc::malformed_message);
@@ -729,7 +735,7 @@ class ring_client : public std::enable_shared_from_this<ring_client> {
         at += ring_detail::data_step(s.length);
       }
     }
-    if (!waiters_.empty()) run_waiters();
+    if (run_waiting && !waiters_.empty()) run_waiters();
   }
 
   // Waits for a quarter of the ring's slots to be done (all of those out,

@@ -347,6 +347,39 @@ TEST_CASE("ring initiator: the target's grant and counter are checked") {
   CHECK(r.host.done[0].ec == kvlink::errc::malformed_message);
 }
 
+TEST_CASE("ring initiator: a full ring frees finished slots while slices are added") {
+  // While the engine plans a large transfer, add() takes back the slots the
+  // target finished and publishes more; reports, waiters and failing stay
+  // for pump().
+  ring_rig r;
+  r.server->stop();  // the test plays the target through the counter
+  r.io.run_for(std::chrono::milliseconds(20));
+  const auto mem = r.map_ring();
+  namespace d = kvlink::shm::ring_detail;
+  auto& done = reinterpret_cast<d::control*>(mem.get())->done;
+  std::vector<std::byte> mine(64);
+  for (int i = 0; i < 12; ++i) r.client->add(r.slice(1, opcode::write, mine.data(), 1, 0, 64));
+  CHECK(r.client->busy());  // four slots of two, four slices queued
+
+  d::store(done, 2);  // two slots finished
+  r.client->add(r.slice(3, opcode::write, mine.data(), 1, 0, 64));
+  CHECK(r.client->in_flight(op_of(3)));  // published without a pump
+  CHECK(r.host.done.empty());            // reported by the pump
+  r.client->pump();
+  CHECK(r.host.slices() == 4);
+  CHECK(!r.fatal);
+
+  // A bad counter seen in add() fails the ring in the pump, not there.
+  d::store(done, 99);
+  for (int i = 0; i < 4; ++i) r.client->add(r.slice(4, opcode::write, mine.data(), 1, 0, 64));
+  CHECK(!r.fatal);
+  CHECK(r.host.slices() == 4);
+  r.client->pump();
+  REQUIRE(r.fatal);
+  CHECK(*r.fatal == kvlink::errc::malformed_message);
+  CHECK(r.host.slices() == 4 + 9 + 4);  // every slice added, reported once
+}
+
 TEST_CASE("ring initiator: a stopped transfer's queued slices go; failing reports every other") {
   ring_rig r;
   std::vector<std::byte> theirs(1u << 20), mine(1u << 20);
