@@ -53,9 +53,14 @@ struct shared_table {
   std::mutex mutex;
   std::map<std::uintptr_t, shared_region> by_base;
 };
+// Never destroyed: a shared_memory with static storage (a program's
+// global, a function's static) may be released after every static below it
+// is gone, and it erases its entry here. A table destroyed at exit made
+// that release a double free (found by kvlink-bench's static reference
+// buffer, 2026-12-07).
 inline shared_table& table() {
-  static shared_table t;
-  return t;
+  static shared_table* const t = new shared_table;
+  return *t;
 }
 }  // namespace memory_detail
 
