@@ -61,6 +61,12 @@
 // are copied on the engine's strand when the path is pumped: the hop to a
 // lane's strand and back cost more than the copy of a few 4 KiB pieces.
 //
+// Host slices go to the lanes in runs of `inline_copy` bytes, not one slice
+// to each lane in turn as the planner stripes them: an io_context run by
+// one thread copies one lane's batch after the other, and every other 4 KiB
+// piece, then the ones between, copied a quarter slower than the pieces in
+// order (shared memory, TP 8 scattered, this 2-core VM).
+//
 // Trust: a process that may attach to ours could read and write all of our
 // memory anyway (the kernel's ptrace rule); the bounds, access and lease
 // rules are what keep an honest peer's copies inside registered memory.
@@ -1066,6 +1072,14 @@ class path final : public data_path, public std::enable_shared_from_this<path> {
       if (c.local_memory.kind == memory_kind::device) {
         i = static_cast<std::size_t>((s.offset / device_copy_run) % outbox_.size());
       }
+    } else if (c.local_memory.kind == memory_kind::host) {
+      // A run of inline_copy bytes to one lane, then the next lane's.
+      if (run_bytes_ >= inline_copy) {
+        run_bytes_ = 0;
+        run_lane_ = run_lane_ + 1 < outbox_.size() ? run_lane_ + 1 : 0;
+      }
+      run_bytes_ += s.length;
+      i = run_lane_;
     }
     outbox_[i].push_back(std::move(c));
   }
@@ -1387,6 +1401,8 @@ class path final : public data_path, public std::enable_shared_from_this<path> {
   std::vector<std::shared_ptr<lane>> lanes_;
   std::vector<double> weights_;
   std::vector<std::vector<copy_item>> outbox_;
+  std::size_t run_lane_ = 0;     // the lane host slices go to now,
+  std::uint64_t run_bytes_ = 0;  // and the bytes it got since
   std::map<std::uint64_t, std::vector<std::pair<std::size_t, slice_ref>>> waiting_;
   std::vector<slice_report> rejects_;
   std::vector<slice_report> inline_done_;  // pump()'s reports of inline copies, kept for their room
