@@ -577,8 +577,16 @@ std::vector<std::uint32_t> remote_ids(std::uint32_t n, bool scattered) {
 // wrapping at 1 GiB): the reference for a same-host transport, which at
 // best is one copy of the same pieces. (Scattered block ids make both
 // sides' pieces land 4 KiB at a time all over memory; a reference reading
-// or writing its side end to end ran about twice as fast on READ here.) ms.
-double memcpy_pass(const std::vector<kvlink::transfer_request>& reqs, std::uint64_t passes = 1) {
+// or writing its side end to end ran about twice as fast on READ here.)
+// The scratch buffer is the kind of memory the target's segment is:
+// `shared` (--memory shared) a kvlink::shm::shared_memory, as the target
+// allocates it, else anonymous memory asked for in huge pages (page_buffer,
+// as the target's private segment). They differ: where the kernel gives
+// shared memory no transparent huge pages (shmem_enabled "never", Debian's
+// default and this VM's), a copy pays a TLB miss for every 4 KiB of it, and
+// 4 KiB pieces copied a fifth slower into it than into huge pages here. ms.
+double memcpy_pass(const std::vector<kvlink::transfer_request>& reqs, bool shared,
+                   std::uint64_t passes = 1) {
   std::uint64_t extent = 0;
   std::uint64_t largest = 0;
   for (const auto& r : reqs) {
@@ -592,8 +600,20 @@ double memcpy_pass(const std::vector<kvlink::transfer_request>& reqs, std::uint6
   // source modulo 4 KiB (4 KiB pieces at 40-46 GB/s, 2.7-15 at 16 bytes;
   // a std::vector's block starts 16 bytes into its pages), which made this
   // reference's WRITEs far slower than any copy the transport makes.
-  static std::optional<kb::page_buffer> scratch;
-  if (!scratch || scratch->size() < size) scratch.emplace(size);  // touched before timing
+  static std::optional<kb::page_buffer> private_scratch;
+  static kvlink::shm::shared_memory shared_scratch;
+  std::byte* scratch = nullptr;
+  if (shared) {
+    if (shared_scratch.size() < size) {  // every page allocated before timing
+      shared_scratch = kvlink::shm::shared_memory::allocate(size, kvlink::shm::prefault::yes);
+    }
+    scratch = shared_scratch.data();
+  } else {
+    if (!private_scratch || private_scratch->size() < size) {
+      private_scratch.emplace(size);  // touched before timing
+    }
+    scratch = private_scratch->data();
+  }
   const auto t0 = kb::clock_type::now();
   for (std::uint64_t pass = 0; pass < passes; ++pass) {
     for (const auto& r : reqs) {
@@ -601,9 +621,9 @@ double memcpy_pass(const std::vector<kvlink::transfer_request>& reqs, std::uint6
       if (at + r.length > size) at = size - r.length;
       auto* local = static_cast<std::byte*>(r.local);
       if (r.op == kvlink::opcode::read) {  // a READ lands in local memory
-        std::memcpy(local, scratch->data() + at, r.length);
+        std::memcpy(local, scratch + at, r.length);
       } else {
-        std::memcpy(scratch->data() + at, local, r.length);
+        std::memcpy(scratch + at, local, r.length);
       }
     }
   }
@@ -613,14 +633,14 @@ double memcpy_pass(const std::vector<kvlink::transfer_request>& reqs, std::uint6
 // The memcpy reference of a sweep case: its requests (every batch in
 // flight, in order) copied by memcpy_pass for at least `seconds`, after one
 // pass that warms what the case left in the caches. GB/s.
-double memcpy_rate(const std::vector<kvlink::transfer_request>& reqs, double seconds) {
+double memcpy_rate(const std::vector<kvlink::transfer_request>& reqs, bool shared, double seconds) {
   std::uint64_t bytes = 0;
   for (const auto& r : reqs) bytes += r.length;
   if (bytes == 0) return 0;
-  (void)memcpy_pass(reqs);
+  (void)memcpy_pass(reqs, shared);
   std::uint64_t passes = 1;
   for (;;) {
-    const double ms = memcpy_pass(reqs, passes);
+    const double ms = memcpy_pass(reqs, shared, passes);
     if (ms >= seconds * 1e3) {
       return static_cast<double>(bytes * passes) / (ms / 1e3) / 1e9;
     }
@@ -807,8 +827,10 @@ void print_kv(const kv_options& o, const model_shape& shape, const line_rate_inf
   if (by_memcpy) {
     fmt::print(
         "# reference: a single-core memcpy of each row's own requests (same sizes, same local "
-        "buffers, the other side laid out as the target's segment) in this process, after each "
-        "transfer, median of {} runs; memcpy% = kvlink / memcpy\n",
+        "buffers, the other side laid out as the target's segment, in {}) in this process, after "
+        "each transfer, median of {} runs; memcpy% = kvlink / memcpy\n",
+        o.engine.memory == "shared" ? "shared memory, as the segment"
+                                    : "huge-page anonymous memory, as the segment",
         o.iterations);
   } else {
     fmt::print("# line rate: {}\n",
@@ -972,7 +994,7 @@ int run_kv(const kv_options& o) {
       // The references interleaved with the transfers: both see the same
       // state of a shared machine. (The CPU cannot read device memory.)
       if (same_host && !local_device && !row.error) {
-        const double m = memcpy_pass(reqs);
+        const double m = memcpy_pass(reqs, o.engine.memory == "shared");
         if (it >= o.warmup) row.memcpy_ms.push_back(m);
       }
       if (reference && !row.error) {
@@ -1106,7 +1128,8 @@ int run_sweep(const sweep_options& o) {
           if (!r.error && peer.transport() == "shm" && !local_device && !remote_device) {
             std::vector<kvlink::transfer_request> all;
             for (const auto& b : runner.batches()) all.insert(all.end(), b.begin(), b.end());
-            r.memcpy_gb_per_s = memcpy_rate(all, std::min(o.seconds, 0.2));
+            r.memcpy_gb_per_s =
+                memcpy_rate(all, o.engine.memory == "shared", std::min(o.seconds, 0.2));
           }
           rows.push_back(r);
         }
