@@ -464,6 +464,21 @@ TEST_CASE("shm path: a peer's shared memory is mapped, checked, copied with memc
   CHECK(!r.u.host.done[0].ec);
   CHECK(is_pattern(peer_mem.data() + 4096 + 7, 5000, 21, 7));
 
+  // The same segment granted again (a peer answering twice) while a slice
+  // placed into the first mapping waits to be handed out: it is copied
+  // through that mapping, which goes once the slice was.
+  r.u.host.done.clear();
+  r.p->enqueue(0, make_slice(5, opcode::write, mine.data(), 4, 200, 4000));
+  r.p->on_message(grant(reg.ino));
+  CHECK(memfd_mappings() == 3);  // ours, the first (held for the slice), the second
+  r.p->pump();
+  r.u.io.run();
+  r.u.io.restart();
+  REQUIRE(r.u.host.done.size() == 1);
+  CHECK(!r.u.host.done[0].ec);
+  CHECK(is_pattern(peer_mem.data() + 4096 + 200, 4000, 21, 200));
+  CHECK(memfd_mappings() == 2);
+
   // Released: the mapping goes once the lanes are done.
   r.p->on_message(json{{"op", "release"}, {"segment", 4u}});
   r.u.io.run();
