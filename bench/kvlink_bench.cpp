@@ -582,7 +582,7 @@ std::vector<std::uint32_t> remote_ids(std::uint32_t n, bool scattered) {
 // `shared` (--memory shared) a kvlink::shm::shared_memory, as the target
 // allocates it, else anonymous memory asked for in huge pages (page_buffer,
 // as the target's private segment). They differ: where the kernel gives
-// shared memory no transparent huge pages (shmem_enabled "never", Debian's
+// shared memory no transparent huge pages (shmem_enabled "never", the kernel's
 // default and this VM's), a copy pays a TLB miss for every 4 KiB of it (a
 // standalone copy of 1.5 * 10^5 scattered 4 KiB pieces here: 5.9-6.6 GB/s
 // into shared memory, 7.2 into huge pages). ms.
