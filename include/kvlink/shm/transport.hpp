@@ -68,6 +68,14 @@
 // standalone copy of 1.5 * 10^5 scattered pieces on this project's 2-core
 // VM: 6.0 against 6.4-6.6 GB/s).
 //
+// Where the lanes' batches run on the thread that plans (an io_context run
+// by one thread), they only add bookkeeping: host slices into mapped shared
+// memory are then copied as they are placed (copy_placed), a batch entry,
+// a lane run and a report less per slice, and reported at pump(). One run
+// in `probe_runs` still goes to a lane, which notes the thread it runs on;
+// once a batch runs on another thread, the lanes copy beside the planning
+// thread again.
+//
 // Trust: a process that may attach to ours could read and write all of our
 // memory anyway (the kernel's ptrace rule); the bounds, access and lease
 // rules are what keep an honest peer's copies inside registered memory.
@@ -103,6 +111,7 @@
 #include <span>
 #include <string>
 #include <system_error>
+#include <thread>
 #include <unordered_map>
 #include <utility>
 #include <vector>
@@ -216,6 +225,15 @@ inline constexpr std::uint64_t device_copy_run = 64u << 20;
 /// on the engine's strand where the path is pumped instead of on the lane's
 /// (16 pieces of 4 KiB: tensor parallelism's single requests).
 inline constexpr std::uint64_t inline_copy = 64u << 10;
+
+/// While a path's copy lanes were last seen running on the thread that
+/// plans (an io_context run by one thread), host slices into mapped shared
+/// memory are copied as they are placed, but for one run of `inline_copy`
+/// bytes in this many, which goes to a lane to see where it runs; a lane
+/// batch seen on another thread turns that off for the next
+/// `elsewhere_runs` batches.
+inline constexpr std::uint64_t probe_runs = 32;
+inline constexpr int elsewhere_runs = 8;
 
 /// A copy lane: runs the batches its path hands it on a strand of its own,
 /// one process_vm_{read,write}v per run of up to IOV_MAX slices of one
@@ -840,6 +858,11 @@ class path final : public data_path, public std::enable_shared_from_this<path> {
   }
 
   void pump() override {
+    if (!placed_done_.empty()) {
+      auto r = std::move(placed_done_);
+      placed_done_.clear();
+      host_.slices_done(r);
+    }
     if (!rejects_.empty()) {
       auto r = std::move(rejects_);
       rejects_.clear();
@@ -864,11 +887,8 @@ class path final : public data_path, public std::enable_shared_from_this<path> {
         }
         continue;
       }
-      outbox_[i] = spare_->take();
-      asio::post(l->get_executor(), [l, spare = spare_, batch = std::move(batch)]() mutable {
-        l->run(batch);
-        spare->give(std::move(batch));
-      });
+      outbox_[i] = std::move(batch);
+      hand_out(i);
     }
     if (ring_ && !failed_) {
       const auto r = ring_;  // a hostile answer fails the path, which lets go of it
@@ -885,6 +905,12 @@ class path final : public data_path, public std::enable_shared_from_this<path> {
       n += std::erase_if(w, [op](const auto& x) { return x.second.op == op; });
     }
     n += std::erase_if(rejects_, [op](const slice_report& r) { return r.op == op; });
+    // Copied, not reported yet: they count as dropped (the transfer stops).
+    std::erase_if(placed_done_, [op, &n](const slice_report& r) {
+      if (r.op != op) return false;
+      n += r.slices;
+      return true;
+    });
     if (ring_) n += ring_->drop(op);
     // Batches posted to lanes resolve its slices with cancelled; slots in
     // the ring finish.
@@ -919,7 +945,10 @@ class path final : public data_path, public std::enable_shared_from_this<path> {
       std::error_code ignored;
       exit_watch_->close(ignored);  // its wait ends, aborted
     }
-    std::vector<slice_report> r = std::move(rejects_);
+    // Slices copied at placing succeeded; the rest fail.
+    std::vector<slice_report> r = std::move(placed_done_);
+    placed_done_.clear();
+    r.insert(r.end(), rejects_.begin(), rejects_.end());
     rejects_.clear();
     for (auto& o : outbox_) {
       for (const auto& c : o) r.push_back({c.s.op, 0, ec});
@@ -1059,8 +1088,8 @@ class path final : public data_path, public std::enable_shared_from_this<path> {
       rejects_.push_back({s.op, 0, e});
       return;
     }
-    copy_item c{s, l.base + s.offset, l.map, l.device, local_memory(s)};
-    if (!l.map && !l.device && c.local_memory.kind == memory_kind::host && s.length > 0 &&
+    const memory_desc local = local_memory(s);
+    if (!l.map && !l.device && local.kind == memory_kind::host && s.length > 0 &&
         s.length <= cfg_.ring_max && ring_state_ != ring_state::refused) {
       if (ring_ && ring_->fits(s.length)) {
         ring_->add(s);
@@ -1068,21 +1097,66 @@ class path final : public data_path, public std::enable_shared_from_this<path> {
       }
       if (ring_state_ == ring_state::none) ask_ring();
     }
+    std::uint64_t remote = l.base + s.offset;
     if (l.device) {
-      c.remote = reinterpret_cast<std::uintptr_t>(l.device->base() + l.device_offset + s.offset);
-      if (c.local_memory.kind == memory_kind::device) {
+      remote = reinterpret_cast<std::uintptr_t>(l.device->base() + l.device_offset + s.offset);
+      if (local.kind == memory_kind::device) {
         i = static_cast<std::size_t>((s.offset / device_copy_run) % outbox_.size());
       }
-    } else if (c.local_memory.kind == memory_kind::host) {
+    } else if (local.kind == memory_kind::host) {
       // A run of inline_copy bytes to one lane, then the next lane's.
       if (run_bytes_ >= inline_copy) {
         run_bytes_ = 0;
         run_lane_ = run_lane_ + 1 < outbox_.size() ? run_lane_ + 1 : 0;
+        // Copied right here while no other thread was seen copying, but
+        // for one run in probe_runs, which a lane copies to find out.
+        run_here_ = elsewhere_->load(std::memory_order_relaxed) == 0 && ++runs_ % probe_runs != 0;
       }
       run_bytes_ += s.length;
       i = run_lane_;
+      if (run_here_ && l.map && copy_placed(s, *l.map)) return;
     }
-    outbox_[i].push_back(std::move(c));
+    outbox_[i].push_back(copy_item{s, remote, l.map, l.device, local});
+  }
+
+  // A host slice into mapped shared memory copied as it is placed, on the
+  // engine's strand, while it is at hand (no batch entry, no lane, no hop;
+  // reported at pump()). Taken when the lanes' batches were last seen to
+  // run on this very thread: an io_context run by one thread copies them
+  // after the planning anyway, on the same core; with more threads the
+  // lanes copy beside it.
+  bool copy_placed(const slice_ref& s, const peer_mapping& map) {
+    if (s.length > cfg_.max_copy || host_.stopping(s.op) ||
+        peer_->failed.load(std::memory_order_acquire)) {
+      return false;
+    }
+    std::byte* there = map.segment() + s.offset;
+    if (s.kind == opcode::read) {
+      std::memcpy(s.local, there, static_cast<std::size_t>(s.length));
+    } else {
+      std::memcpy(there, s.local, static_cast<std::size_t>(s.length));
+    }
+    add_report(placed_done_, s.op, s.length);
+    return true;
+  }
+
+  // Posts outbox i to its lane. Where the lane runs it says whether
+  // another thread copies for this engine: one that does counts for the
+  // next elsewhere_runs batches.
+  void hand_out(std::size_t i) {
+    auto batch = std::move(outbox_[i]);
+    outbox_[i] = spare_->take();
+    asio::post(lanes_[i]->get_executor(),
+               [l = lanes_[i], spare = spare_, seen = elsewhere_, by = std::this_thread::get_id(),
+                batch = std::move(batch)]() mutable {
+                 if (std::this_thread::get_id() != by) {
+                   seen->store(elsewhere_runs, std::memory_order_relaxed);
+                 } else if (int n = seen->load(std::memory_order_relaxed); n > 0) {
+                   seen->compare_exchange_strong(n, n - 1, std::memory_order_relaxed);
+                 }
+                 l->run(batch);
+                 spare->give(std::move(batch));
+               });
   }
 
   // What a slice's local memory is: its registered segment says.
@@ -1406,6 +1480,15 @@ class path final : public data_path, public std::enable_shared_from_this<path> {
   std::uint64_t run_bytes_ = 0;  // and the bytes it got since
   std::map<std::uint64_t, std::vector<std::pair<std::size_t, slice_ref>>> waiting_;
   std::vector<slice_report> rejects_;
+  std::vector<slice_report> placed_done_;  // copy_placed()'s, until pump()
+  // Whether the run host slices go to now is copied at once (copy_placed),
+  // and the runs started so far.
+  bool run_here_ = false;
+  std::uint64_t runs_ = 0;
+  // Above zero: a lane's batch ran on another thread than the one that
+  // handed it out, within the last elsewhere_runs batches (hand_out). One
+  // at first: the first transfer's lanes find out.
+  std::shared_ptr<std::atomic<int>> elsewhere_ = std::make_shared<std::atomic<int>>(1);
   std::vector<slice_report> inline_done_;  // pump()'s reports of inline copies, kept for their room
   // Batches come back from the lanes empty, their room kept for the next
   // ones: a batch of thousands of small pieces is megabytes, and memory

@@ -498,6 +498,133 @@ TEST_CASE("shm path: a peer's shared memory is mapped, checked, copied with memc
   CHECK(is_pattern(peer_mem.data() + 4096 + 100, 300, 21, 100));
 }
 
+TEST_CASE("shm path: one thread copies shared memory as placed; lanes on another copy again") {
+  path_rig r;
+  std::array<char, 32> nonce{};
+  r.prove(nonce);
+  constexpr std::uint64_t piece = 4096;
+  // 160 runs of inline_copy a round: five of them probe (they go to one
+  // lane, 320 KiB, which pump() hands out rather than copying it there).
+  constexpr std::uint64_t runs = 160;
+  constexpr std::uint64_t round = runs * 16 * piece;
+  static_assert(kvlink::shm::inline_copy == 16 * piece && kvlink::shm::probe_runs == 32);
+  constexpr std::size_t probed = 16 * (runs / kvlink::shm::probe_runs + 1);
+  auto peer_mem = kvlink::shm::shared_memory::allocate(4 * round);
+  std::vector<std::byte> mine(4 * round);
+  fill_pattern(mine.data(), mine.size(), 41, 0);
+  const auto& reg = peer_mem.region();
+  r.p->on_message(json{{"op", "granted"},
+                       {"segment", 4u},
+                       {"base", reg.base},
+                       {"length", 4 * round},
+                       {"access", "rw"},
+                       {"fd", static_cast<std::uint64_t>(reg.fd)},
+                       {"fd_offset", 0u},
+                       {"dev", reg.dev},
+                       {"ino", reg.ino}});
+  std::memset(peer_mem.data(), 0, 4 * round);
+  // Round k: 4 KiB WRITEs of transfer k + 1 into [k * round, (k + 1) * round),
+  // placed; how many of its pieces landed before pump().
+  auto place_round = [&](std::uint64_t k) {
+    r.u.host.done.clear();
+    for (std::uint64_t off = k * round; off < (k + 1) * round; off += piece) {
+      r.p->enqueue(0, make_slice(k + 1, opcode::write, mine.data(), 4, off, piece));
+    }
+    std::size_t landed = 0;
+    for (std::uint64_t off = k * round; off < (k + 1) * round; off += piece) {
+      landed += is_pattern(peer_mem.data() + off, piece, 41, off) ? 1 : 0;
+    }
+    return landed;
+  };
+  auto reported = [&] {
+    std::uint64_t bytes = 0;
+    for (const auto& d : r.u.host.done) {
+      CHECK(!d.ec);
+      bytes += d.bytes;
+    }
+    return std::pair{r.u.host.done.size(), bytes};
+  };
+  constexpr std::size_t pieces = round / piece;
+
+  // First: the lanes copy (where they run is not known yet), on this thread.
+  CHECK(place_round(0) == 0);
+  r.p->pump();
+  CHECK(r.u.host.done.empty());
+  r.u.io.run();
+  r.u.io.restart();
+  CHECK(reported() == std::pair{pieces, round});
+  CHECK(is_pattern(peer_mem.data(), round, 41, 0));
+
+  // They ran here: now the pieces are copied as they are placed, but for
+  // one run in probe_runs, and reported at pump(); the lanes' after the
+  // io_context ran.
+  const auto landed = place_round(1);
+  CHECK(landed >= pieces - probed);
+  CHECK(landed < pieces);
+  CHECK(r.u.host.done.empty());
+  r.p->pump();
+  CHECK(r.u.host.done.size() == landed);
+  r.u.io.run();
+  r.u.io.restart();
+  CHECK(reported() == std::pair{pieces, round});
+  CHECK(is_pattern(peer_mem.data() + round, round, 41, round));
+
+  // A failure meanwhile: what was copied is reported done, the rest failed.
+  {
+    path_rig f;
+    f.prove(nonce);
+    f.p->on_message(json{{"op", "granted"},
+                         {"segment", 4u},
+                         {"base", reg.base},
+                         {"length", 4 * round},
+                         {"access", "rw"},
+                         {"fd", static_cast<std::uint64_t>(reg.fd)},
+                         {"fd_offset", 0u},
+                         {"dev", reg.dev},
+                         {"ino", reg.ino}});
+    for (int k = 0; k < 2; ++k) {  // the first round finds out where the lanes run
+      for (std::uint64_t off = 0; off < round; off += piece) {
+        f.p->enqueue(0, make_slice(9, opcode::write, mine.data(), 4, off, piece));
+      }
+      if (k == 0) {
+        f.p->pump();
+        f.u.io.run();
+        f.u.io.restart();
+        f.u.host.done.clear();
+      }
+    }
+    f.p->fail(kvlink::errc::peer_closed);
+    std::size_t ok = 0, failed = 0;
+    for (const auto& d : f.u.host.done) {
+      if (d.ec) {
+        CHECK(d.ec == kvlink::errc::peer_closed);
+        CHECK(d.bytes == 0);
+        ++failed;
+      } else {
+        ++ok;
+      }
+    }
+    CHECK(ok + failed == pieces);
+    CHECK(ok >= pieces - probed);
+    CHECK(failed > 0);
+  }
+
+  // Lanes run by another thread: once one is seen there, they copy again.
+  const auto before = place_round(2);
+  CHECK(before >= pieces - probed);
+  r.p->pump();
+  std::thread other([&] { r.u.io.run(); });
+  other.join();
+  r.u.io.restart();
+  CHECK(reported() == std::pair{pieces, round});
+  CHECK(place_round(3) == 0);
+  r.p->pump();
+  r.u.io.run();
+  r.u.io.restart();
+  CHECK(reported() == std::pair{pieces, round});
+  CHECK(is_pattern(peer_mem.data() + 2 * round, 2 * round, 41, 2 * round));
+}
+
 TEST_CASE("shm path: copy_now moves a small group into mapped shared memory at once, or nothing") {
   path_rig r;
   std::array<char, 32> nonce{};
