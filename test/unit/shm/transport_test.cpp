@@ -1,6 +1,7 @@
 // The same-host transport (shm/transport.hpp): who it reaches and why not,
 // the target's lease rules against malformed and hostile requests, the
-// path's own bounds and its proof of the peer's process; then two processes
+// path's own bounds and its proof of the peer's process, its copies into
+// shared memory as they are placed on one thread; then two processes
 // (this test and a kvlink_test_peer child): WRITE and READ at odd offsets
 // with bytes checked on both sides, a child killed mid-copy, a child that
 // may not attach to us falling back to TCP with the reason, and a child
@@ -513,15 +514,11 @@ TEST_CASE("shm path: one thread copies shared memory as placed; lanes on another
   std::vector<std::byte> mine(4 * round);
   fill_pattern(mine.data(), mine.size(), 41, 0);
   const auto& reg = peer_mem.region();
-  r.p->on_message(json{{"op", "granted"},
-                       {"segment", 4u},
-                       {"base", reg.base},
-                       {"length", 4 * round},
-                       {"access", "rw"},
-                       {"fd", static_cast<std::uint64_t>(reg.fd)},
-                       {"fd_offset", 0u},
-                       {"dev", reg.dev},
-                       {"ino", reg.ino}});
+  const json grant{
+      {"op", "granted"},     {"segment", 4u},  {"base", reg.base},
+      {"length", 4 * round}, {"access", "rw"}, {"fd", static_cast<std::uint64_t>(reg.fd)},
+      {"fd_offset", 0u},     {"dev", reg.dev}, {"ino", reg.ino}};
+  r.p->on_message(grant);
   std::memset(peer_mem.data(), 0, 4 * round);
   // Round k: 4 KiB WRITEs of transfer k + 1 into [k * round, (k + 1) * round),
   // placed; how many of its pieces landed before pump().
@@ -573,15 +570,7 @@ TEST_CASE("shm path: one thread copies shared memory as placed; lanes on another
   {
     path_rig f;
     f.prove(nonce);
-    f.p->on_message(json{{"op", "granted"},
-                         {"segment", 4u},
-                         {"base", reg.base},
-                         {"length", 4 * round},
-                         {"access", "rw"},
-                         {"fd", static_cast<std::uint64_t>(reg.fd)},
-                         {"fd_offset", 0u},
-                         {"dev", reg.dev},
-                         {"ino", reg.ino}});
+    f.p->on_message(grant);
     for (int k = 0; k < 2; ++k) {  // the first round finds out where the lanes run
       for (std::uint64_t off = 0; off < round; off += piece) {
         f.p->enqueue(0, make_slice(9, opcode::write, mine.data(), 4, off, piece));
