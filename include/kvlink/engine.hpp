@@ -50,9 +50,11 @@
 // - Every member may be called from any thread, concurrently:
 //   register_segment() (the registry and the transports' registration are
 //   thread-safe), every async_* initiating function (they post to the
-//   strand), local_address(), instance(), get_config(), transports()
-//   (immutable after construction). A peer handle's members are safe from
-//   any thread too.
+//   strand; async_submit_transfer called from a thread running the
+//   engine's executor while the strand is idle starts the transfer right
+//   there, inside the strand), local_address(), instance(), get_config(),
+//   transports() (immutable after construction). A peer handle's members
+//   are safe from any thread too.
 // - Completion handlers run on their associated executor (by default the
 //   engine's executor), never inside the initiating call.
 // - Destruction closes the engine on its strand and returns once nothing of

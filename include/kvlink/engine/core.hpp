@@ -57,8 +57,8 @@
 #include <asio/awaitable.hpp>
 #include <asio/cancellation_signal.hpp>
 #include <asio/co_spawn.hpp>
-#include <asio/defer.hpp>
 #include <asio/detached.hpp>
+#include <asio/dispatch.hpp>
 #include <asio/execution/outstanding_work.hpp>
 #include <asio/io_context.hpp>
 #include <asio/ip/tcp.hpp>
@@ -387,10 +387,12 @@ class engine_core final : public transport_host,
 
   void submit(std::uint64_t id, std::vector<transfer_request> reqs, transfer_options opts,
               transfer_handler h, asio::cancellation_slot slot) {
-    // defer: from a handler of this io_context the transfer starts on this
-    // thread after it returns, instead of waking another thread for it.
-    asio::defer(strand_, [self = shared_from_this(), id, reqs = std::move(reqs),
-                          opts = std::move(opts), h = std::move(h), slot]() mutable {
+    // dispatch: from a thread running the engine's io_context while the
+    // strand is idle (the usual case: a handler that submits the next
+    // transfer), the transfer starts right here, inside the strand, without
+    // a hand-off; otherwise it queues behind what the strand already holds.
+    asio::dispatch(strand_, [self = shared_from_this(), id, reqs = std::move(reqs),
+                             opts = std::move(opts), h = std::move(h), slot]() mutable {
       self->transfers_->start(id, std::move(reqs), std::move(opts), std::move(h), slot);
     });
   }

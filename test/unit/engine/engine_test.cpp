@@ -211,6 +211,35 @@ TEST_CASE("completion tokens: callback, future, use_awaitable, as_tuple") {
   CHECK_FALSE(called);
   REQUIRE(run_until(r.io, [&] { return called; }));
 
+  // From a handler of the engine's io_context, where the transfer starts in
+  // the calling thread (the engine's strand is idle), the handler still
+  // runs after the initiating call: for bytes moved and for an error found
+  // at the start.
+  {
+    fill(r.local_mem, 5);
+    std::optional<std::error_code> good, bad;
+    bool inside_call = false, ran_inside = false;
+    asio::post(r.io, [&] {
+      inside_call = true;
+      r.initiator.async_submit_transfer(reqs, [&](std::error_code ec, kvlink::transfer_result) {
+        ran_inside |= inside_call;
+        good = ec;
+      });
+      r.initiator.async_submit_transfer(
+          std::vector<kvlink::transfer_request>{r.req(opcode::write, 0, r.remote_mem.size(), 1)},
+          [&](std::error_code ec, kvlink::transfer_result) {
+            ran_inside |= inside_call;
+            bad = ec;
+          });
+      inside_call = false;
+    });
+    REQUIRE(run_until(r.io, [&] { return good && bad; }));
+    CHECK_FALSE(ran_inside);
+    REQUIRE_MESSAGE(!*good, good->message());
+    CHECK(std::memcmp(r.remote_mem.data(), r.local_mem.data(), 4096) == 0);
+    CHECK(*bad == kvlink::errc::out_of_bounds);
+  }
+
   auto fut = r.initiator.async_submit_transfer(reqs, asio::use_future);
   REQUIRE(run_until(r.io, [&] { return fut.wait_for(0s) == std::future_status::ready; }));
   CHECK(fut.get().bytes == 4096);

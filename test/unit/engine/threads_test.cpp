@@ -8,6 +8,7 @@
 #include <atomic>
 #include <chrono>
 #include <cstring>
+#include <functional>
 #include <future>
 #include <memory>
 #include <optional>
@@ -124,6 +125,77 @@ TEST_CASE("8 threads, 8 lanes: WRITE and READ, contiguous and scattered, from ma
   for (auto& t : users) t.join();
   CHECK(failures.load() == 0);
   CHECK(peer.connected());
+}
+
+// Each transfer submitted from the handler of the one before it, on the
+// pool's threads: the engine starts it in the submitting thread when its
+// strand is idle, queues it behind the strand otherwise; both meet here.
+TEST_CASE("8 threads: transfers submitted from handlers, eight chains at once") {
+  constexpr int chains = 8, rounds = 40;
+  constexpr std::size_t piece = 4096, pieces = 16, part = piece * pieces;
+  // The target in a process of its own: in one process ThreadSanitizer
+  // would see no order between the target's lane that sent a READ's bytes
+  // (its sendmsg interceptor records the read of the buffer after the
+  // release that orders it) and the lane that overwrites them next WRITE.
+  kvlink_test::peer_process child({"--size", std::to_string(chains * part), "--seed", "3"});
+  pool p{threads};
+  std::vector<std::byte> local(chains * part), back(chains * part);
+  kvlink::tcp_engine initiator(p.io.get_executor(), lanes_config(4));
+  initiator.register_segment(local.data(), local.size());
+  initiator.register_segment(back.data(), back.size());
+  kvlink::peer peer = initiator.async_connect(child.address(), asio::use_future).get();
+  const auto seg = peer.segment(0);
+
+  struct chain {
+    int round = 0;
+    int failures = 0;
+    int ran_inside = 0;  // handlers run inside the call that submitted them
+    std::promise<void> done;
+  };
+  static thread_local bool inside_call = false;
+  std::vector<chain> cs(chains);
+  std::function<void(int)> next = [&](int c) {
+    chain& ch = cs[c];
+    if (ch.round == rounds) {
+      ch.done.set_value();
+      return;
+    }
+    const std::size_t base = c * part;
+    fill_pattern(local.data() + base, part, 1000 * c + ch.round, 0);
+    std::memset(back.data() + base, 0, part);
+    // Scattered pieces, the remote side reversed each round.
+    std::vector<kvlink::transfer_request> w, rd;
+    for (std::size_t i = 0; i < pieces; ++i) {
+      const std::size_t to = (ch.round % 2 ? pieces - 1 - i : i) * piece;
+      w.push_back({opcode::write, local.data() + base + i * piece, seg, base + to, piece});
+      rd.push_back({opcode::read, back.data() + base + i * piece, seg, base + to, piece});
+    }
+    inside_call = true;
+    initiator.async_submit_transfer(w, [&, c, rd](std::error_code wec, kvlink::transfer_result) {
+      chain& wc = cs[c];
+      wc.ran_inside += inside_call;
+      if (wec) ++wc.failures;
+      inside_call = true;
+      initiator.async_submit_transfer(rd, [&, c](std::error_code rec, kvlink::transfer_result r) {
+        chain& rc = cs[c];
+        rc.ran_inside += inside_call;
+        const std::size_t at = c * part;
+        if (rec || r.bytes != part || std::memcmp(back.data() + at, local.data() + at, part) != 0) {
+          ++rc.failures;
+        }
+        ++rc.round;
+        next(c);
+      });
+      inside_call = false;
+    });
+    inside_call = false;
+  };
+  for (int c = 0; c < chains; ++c) asio::post(p.io, [&next, c] { next(c); });
+  for (auto& ch : cs) {
+    REQUIRE(ch.done.get_future().wait_for(120s) == std::future_status::ready);
+    CHECK(ch.failures == 0);
+    CHECK(ch.ran_inside == 0);
+  }
 }
 
 TEST_CASE("8 threads: one target serving four initiators at once") {
