@@ -57,6 +57,7 @@
 #include <asio/awaitable.hpp>
 #include <asio/cancellation_signal.hpp>
 #include <asio/co_spawn.hpp>
+#include <asio/defer.hpp>
 #include <asio/detached.hpp>
 #include <asio/dispatch.hpp>
 #include <asio/execution/outstanding_work.hpp>
@@ -387,14 +388,28 @@ class engine_core final : public transport_host,
 
   void submit(std::uint64_t id, std::vector<transfer_request> reqs, transfer_options opts,
               transfer_handler h, asio::cancellation_slot slot) {
+    auto run = [self = shared_from_this(), id, reqs = std::move(reqs), opts = std::move(opts),
+                h = std::move(h), slot]() mutable {
+      started_here = self.get();
+      self->transfers_->start(id, std::move(reqs), std::move(opts), std::move(h), slot);
+    };
+    // Where the last start found the strand busy (another thread in it),
+    // the next submits defer: queued behind the running handler on this
+    // thread, several starts then run in one pass through the strand
+    // instead of two threads taking turns in it for each.
+    if (const auto busy = busy_submits_.load(std::memory_order_relaxed); busy > 0) {
+      busy_submits_.store(busy - 1, std::memory_order_relaxed);
+      asio::defer(strand_, std::move(run));
+      return;
+    }
     // dispatch: from a thread running the engine's io_context while the
     // strand is idle (the usual case: a handler that submits the next
     // transfer), the transfer starts right here, inside the strand, without
     // a hand-off; otherwise it queues behind what the strand already holds.
-    asio::dispatch(strand_, [self = shared_from_this(), id, reqs = std::move(reqs),
-                             opts = std::move(opts), h = std::move(h), slot]() mutable {
-      self->transfers_->start(id, std::move(reqs), std::move(opts), std::move(h), slot);
-    });
+    started_here = nullptr;
+    asio::dispatch(strand_, std::move(run));
+    if (started_here != this) busy_submits_.store(busy_defers, std::memory_order_relaxed);
+    started_here = nullptr;
   }
 
   void cancel(std::uint64_t id) {
@@ -1207,6 +1222,11 @@ class engine_core final : public transport_host,
   std::shared_ptr<metadata_backend> metadata_;
   std::string name_;
   std::atomic<bool> announce_pending_{false};
+  /// Submits left to defer after one found the strand busy (submit()).
+  std::atomic<std::uint32_t> busy_submits_{0};
+  static constexpr std::uint32_t busy_defers = 64;
+  /// The engine whose transfer this thread just started inside submit().
+  static inline thread_local const engine_core* started_here = nullptr;
   // strand-only
   std::unordered_map<std::uint64_t, std::shared_ptr<peer_state>> peers_;
   std::uint64_t next_peer_ = 1;
