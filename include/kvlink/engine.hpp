@@ -52,8 +52,8 @@
 //   thread-safe), every async_* initiating function (they post to the
 //   strand; async_submit_transfer called from a thread running the
 //   engine's executor while the strand is idle starts the transfer right
-//   there, inside the strand, unless a recent start found the strand
-//   busy), local_address(), instance(), get_config(),
+//   there, inside the strand, unless recent starts ran on other threads
+//   than their submitters'), local_address(), instance(), get_config(),
 //   transports() (immutable after construction). A peer handle's members
 //   are safe from any thread too.
 // - Completion handlers run on their associated executor (by default the

@@ -154,6 +154,12 @@ class segment_registry {
     return {};
   }
 
+  /// Whether `id` is registered (get() without the copy).
+  bool contains(segment_id id) const {
+    std::shared_lock lock{mutex_};
+    return by_id_.contains(id);
+  }
+
   std::optional<segment_info> get(segment_id id) const {
     std::shared_lock lock{mutex_};
     auto it = by_id_.find(id);

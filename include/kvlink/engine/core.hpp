@@ -356,6 +356,7 @@ class engine_core final : public transport_host,
       // Pins taken from now on are refused (the registry no longer holds
       // it; pin() checks under pins_mutex_), so the count only goes down.
       if (self->pin_count(id) == 0) {
+        self->forget_pins(id);
         h.complete({});
         return;
       }
@@ -388,16 +389,21 @@ class engine_core final : public transport_host,
 
   void submit(std::uint64_t id, std::vector<transfer_request> reqs, transfer_options opts,
               transfer_handler h, asio::cancellation_slot slot) {
+    // A start that could not run right here and then ran on another thread
+    // means threads take turns in the strand: the next submits defer,
+    // queued behind the running handler on this thread, so that several
+    // starts run in one pass through the strand instead of two threads
+    // taking turns in it for each. A start queued behind work of this same
+    // thread (several transfers in flight on one thread) does not count.
+    const auto busy = busy_submits_.load(std::memory_order_relaxed);
     auto run = [self = shared_from_this(), id, reqs = std::move(reqs), opts = std::move(opts),
-                h = std::move(h), slot]() mutable {
-      started_here = self.get();
+                h = std::move(h), slot, from = &thread_mark]() mutable {
+      if (from != &thread_mark) {  // queued, and run by another thread
+        self->busy_submits_.store(busy_defers, std::memory_order_relaxed);
+      }
       self->transfers_->start(id, std::move(reqs), std::move(opts), std::move(h), slot);
     };
-    // Where the last start found the strand busy (another thread in it),
-    // the next submits defer: queued behind the running handler on this
-    // thread, several starts then run in one pass through the strand
-    // instead of two threads taking turns in it for each.
-    if (const auto busy = busy_submits_.load(std::memory_order_relaxed); busy > 0) {
+    if (busy > 0) {
       busy_submits_.store(busy - 1, std::memory_order_relaxed);
       asio::defer(strand_, std::move(run));
       return;
@@ -406,10 +412,7 @@ class engine_core final : public transport_host,
     // strand is idle (the usual case: a handler that submits the next
     // transfer), the transfer starts right here, inside the strand, without
     // a hand-off; otherwise it queues behind what the strand already holds.
-    started_here = nullptr;
     asio::dispatch(strand_, std::move(run));
-    if (started_here != this) busy_submits_.store(busy_defers, std::memory_order_relaxed);
-    started_here = nullptr;
   }
 
   void cancel(std::uint64_t id) {
@@ -568,10 +571,12 @@ class engine_core final : public transport_host,
   // from the transports' strands (a peer's access being served): a mutex,
   // held for a map update. A pin is refused once the segment left the
   // registry, which unregister_segment() does before it counts the pins.
+  // A segment's count stays in pins_ at zero while it is registered (no
+  // allocation per transfer); unregistering it lets it go (forget_pins).
   bool pin(segment_id id) override {
     std::lock_guard lock{pins_mutex_};
-    if (!registry_.get(id)) return false;
-    ++pins_[id];
+    if (!registry_.contains(id)) return false;
+    if (pins_[id]++ == 0) ++pinned_segments_;
     return true;
   }
 
@@ -583,9 +588,9 @@ class engine_core final : public transport_host,
     {
       std::lock_guard lock{pins_mutex_};
       auto it = pins_.find(id);
-      if (it == pins_.end()) return;
+      if (it == pins_.end() || it->second == 0) return;
       if (--it->second > 0) return;
-      pins_.erase(it);
+      --pinned_segments_;
       if (waiting_ == 0) return;
     }
     if (strand_.running_in_this_thread()) {
@@ -609,7 +614,14 @@ class engine_core final : public transport_host,
 
   std::size_t pins_total() const {
     std::lock_guard lock{pins_mutex_};
-    return pins_.size();
+    return pinned_segments_;
+  }
+
+  // An unregistered segment's count, once at zero (it stays there: pin()
+  // refuses it).
+  void forget_pins(segment_id id) {
+    std::lock_guard lock{pins_mutex_};
+    if (const auto it = pins_.find(id); it != pins_.end() && it->second == 0) pins_.erase(it);
   }
 
   std::size_t pin_count(segment_id id) const {
@@ -634,6 +646,7 @@ class engine_core final : public transport_host,
     }
     if (pin_count(id) != 0) return;
     auto [first, last] = unpin_waiters_.equal_range(id);
+    if (first != last) forget_pins(id);  // an unregistration waited for it
     std::vector<plain_handler> ready;
     for (auto w = first; w != last; ++w) ready.push_back(std::move(w->second));
     unpin_waiters_.erase(first, last);
@@ -1222,11 +1235,12 @@ class engine_core final : public transport_host,
   std::shared_ptr<metadata_backend> metadata_;
   std::string name_;
   std::atomic<bool> announce_pending_{false};
-  /// Submits left to defer after one found the strand busy (submit()).
+  /// Submits left to defer since a queued start ran on another thread
+  /// than the one that submitted it (submit()).
   std::atomic<std::uint32_t> busy_submits_{0};
   static constexpr std::uint32_t busy_defers = 64;
-  /// The engine whose transfer this thread just started inside submit().
-  static inline thread_local const engine_core* started_here = nullptr;
+  /// Its address tells threads apart (submit()).
+  static inline thread_local char thread_mark = 0;
   // strand-only
   std::unordered_map<std::uint64_t, std::shared_ptr<peer_state>> peers_;
   std::uint64_t next_peer_ = 1;
@@ -1235,7 +1249,8 @@ class engine_core final : public transport_host,
   std::set<std::string> refusals_logged_;
   mutable std::mutex pins_mutex_;
   std::unordered_map<segment_id, std::size_t> pins_;  // guarded by pins_mutex_
-  std::size_t waiting_ = 0;  // unpin_waiters_ + close_waiters_; guarded by pins_mutex_
+  std::size_t pinned_segments_ = 0;  // entries of pins_ above zero; guarded by pins_mutex_
+  std::size_t waiting_ = 0;          // unpin_waiters_ + close_waiters_; guarded by pins_mutex_
   std::vector<std::function<void()>> close_waiters_;  // when_closed()
   std::multimap<segment_id, plain_handler> unpin_waiters_;
   notification_inbox inbox_;

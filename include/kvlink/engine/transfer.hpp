@@ -242,22 +242,25 @@ class transfers : public std::enable_shared_from_this<transfers> {
     }
     // The local memory it uses stays registered until it completes:
     // unregistering a segment stops the transfers that use it and waits.
-    for (const auto& g : groups) {
-      segment_id last{};
-      for (const auto& item : g.items) {
-        if (item.local_segment == last) continue;
-        last = item.local_segment;
-        if (std::find(op->local_segments.begin(), op->local_segments.end(), item.local_segment) ==
-            op->local_segments.end()) {
-          if (!pins_.pin(item.local_segment)) {  // validated above, on this strand
-            op->error = errc::not_registered;
-            complete(op);
-            return;
+    // Pinned only once a slice leaves this call: what is moved right here
+    // (copy_now) is done before this strand could run an unregistration.
+    bool pinned = false;
+    auto pin_locals = [&]() -> bool {
+      pinned = true;
+      for (const auto& g : groups) {
+        segment_id last{};
+        for (const auto& item : g.items) {
+          if (item.local_segment == last) continue;
+          last = item.local_segment;
+          if (std::find(op->local_segments.begin(), op->local_segments.end(), item.local_segment) ==
+              op->local_segments.end()) {
+            if (!pins_.pin(item.local_segment)) return false;  // validated on this strand
+            op->local_segments.push_back(item.local_segment);
           }
-          op->local_segments.push_back(item.local_segment);
         }
       }
-    }
+      return true;
+    };
     const bool checksum = opts.checksum.value_or(settings_.checksums);
     for (auto& g : groups) {
       plan_stats stats;
@@ -298,6 +301,15 @@ class transfers : public std::enable_shared_from_this<transfers> {
           if (op->notify) op->peers.push_back(std::move(g.p));  // told once all is done
           continue;
         }
+      }
+      if (!pinned && !pin_locals()) {
+        op->error = errc::not_registered;
+        if (op->pending == 0) {
+          complete(op);
+        } else {
+          stop(op, op->error);
+        }
+        return;
       }
       op->peers.push_back(g.p);
       op->paths.push_back(g.p->path);

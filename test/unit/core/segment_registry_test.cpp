@@ -79,6 +79,10 @@ TEST_CASE("add: ids start at 1, increase, are never reused") {
   CHECK(c == segment_id{3});
   CHECK(reg.size() == 2);
   CHECK_FALSE(reg.get(b).has_value());
+  CHECK_FALSE(reg.contains(b));
+  CHECK_FALSE(reg.contains(segment_id{}));
+  CHECK(reg.contains(a));
+  CHECK(reg.contains(c));
   REQUIRE(reg.get(c).has_value());
   CHECK(reg.get(c)->base == 0x2000);
   CHECK(reg.get(c)->length == 0x100);

@@ -1276,6 +1276,19 @@ std::size_t copied_so_far(const std::byte* p, std::size_t size) {
 
 }  // namespace
 
+// `initiator` connected to `target` (one io_context), over shm.
+std::optional<kvlink::peer> connect_over_shm(asio::io_context& io, kvlink::engine& initiator,
+                                             kvlink::engine& target) {
+  std::optional<kvlink::peer> peer;
+  initiator.async_connect(target.local_address(), [&](std::error_code ec, kvlink::peer p) {
+    REQUIRE_MESSAGE(!ec, ec.message());
+    peer = p;
+  });
+  REQUIRE(run_until(io, [&] { return peer.has_value(); }));
+  REQUIRE(peer->transport() == "shm");
+  return peer;
+}
+
 TEST_CASE("shm: a cancelled transfer stops within about shm_max_copy; nothing lands after it") {
   // One lane, 1 MiB per copy call, 256 MiB to copy: before the calls were
   // bounded, cross-memory attach moved up to IOV_MAX slices (1 GiB) in one
@@ -1310,13 +1323,7 @@ TEST_CASE("shm: a cancelled transfer stops within about shm_max_copy; nothing la
   kvlink::engine initiator{io.get_executor(), c};
   target.register_segment(dst, total, kvlink::access::remote_read_write);
   initiator.register_segment(src.data(), total);
-  std::optional<kvlink::peer> peer;
-  initiator.async_connect(target.local_address(), [&](std::error_code ec, kvlink::peer p) {
-    REQUIRE_MESSAGE(!ec, ec.message());
-    peer = p;
-  });
-  REQUIRE(run_until(io, [&] { return peer.has_value(); }));
-  REQUIRE(peer->transport() == "shm");
+  const auto peer = connect_over_shm(io, initiator, target);
 
   // Two threads: one copies on the lane's strand while the other cancels.
   auto guard = asio::make_work_guard(io);
@@ -1369,3 +1376,112 @@ TEST_CASE("shm: a cancelled transfer stops within about shm_max_copy; nothing la
   // 2-core machine).
   CHECK(at_handler - std::min(at_handler, before) <= 16 * max_copy);
 }
+
+namespace {
+
+TEST_CASE("shm: unregistering a local segment under small transfers: nothing of it is read after") {
+  // Chains of 4 KiB WRITEs from one local segment, each to a slot of its
+  // own, on two threads, while the segment is unregistered; the
+  // unregistration's handler overwrites the segment at once. Every WRITE
+  // that succeeded must have landed the segment's bytes as they were, and
+  // every one started after the unregistration must fail. Into shared
+  // memory a small WRITE is copied inside its start (and pins nothing);
+  // into private memory it goes through the ring, pinned until it is done.
+  constexpr std::size_t piece = 4096;
+  constexpr std::size_t slots = 2048;
+  constexpr std::size_t chains = 4;
+  kvlink::config c;
+  c.transports = "shm";
+  c.connect_timeout = 5s;
+  std::vector<std::byte> private_dst;
+  kvlink::shm::shared_memory shared_dst;
+  std::byte* dst = nullptr;
+  SUBCASE("into shared memory") {
+    shared_dst = kvlink::shm::shared_memory::allocate(slots * piece, kvlink::shm::prefault::yes);
+    dst = shared_dst.data();
+  }
+  SUBCASE("into private memory") {
+    private_dst.resize(slots * piece);
+    dst = private_dst.data();
+  }
+  REQUIRE(dst != nullptr);
+  std::memset(dst, 0, slots * piece);
+  std::vector<std::byte> src(64 * piece);
+  fill_pattern(src.data(), src.size(), 41, 0);
+
+  asio::io_context io;
+  kvlink::engine target{io.get_executor(), c};
+  kvlink::engine initiator{io.get_executor(), c};
+  target.register_segment(dst, slots * piece, kvlink::access::remote_read_write);
+  const auto local = initiator.register_segment(src.data(), src.size());
+  const auto peer = connect_over_shm(io, initiator, target);
+
+  // 0: not started; 1: started before the unregistration's handler ran;
+  // 2: started after it; +10 once succeeded, +20 once failed.
+  std::vector<std::atomic<int>> state(slots);
+  std::vector<std::error_code> errors(slots);
+  std::atomic<std::size_t> next{0}, completed{0}, chains_left{chains};
+  std::atomic<bool> unregistered{false}, asked{false};
+  std::optional<std::error_code> unreg;
+  std::promise<void> all_done;
+  std::function<void()> go = [&] {
+    const std::size_t s = next.fetch_add(1);
+    if (s >= slots) {
+      if (chains_left.fetch_sub(1) == 1) all_done.set_value();
+      return;
+    }
+    state[s] = unregistered.load() ? 2 : 1;
+    const std::vector<kvlink::transfer_request> r{
+        {opcode::write, src.data() + (s % 64) * piece, peer->segment(0), s * piece, piece}};
+    initiator.async_submit_transfer(r, [&, s](std::error_code ec, kvlink::transfer_result) {
+      errors[s] = ec;
+      state[s] += ec ? 20 : 10;
+      if (completed.fetch_add(1) == slots / 4 && !asked.exchange(true)) {
+        initiator.async_unregister_segment(local, [&](std::error_code uec) {
+          std::memset(src.data(), 0xEE, src.size());  // the caller reuses its memory at once
+          unreg = uec;
+          unregistered = true;
+        });
+      }
+      go();
+    });
+  };
+  auto guard = asio::make_work_guard(io);
+  std::vector<std::thread> threads;
+  for (int i = 0; i < 2; ++i) threads.emplace_back([&] { io.run(); });
+  for (std::size_t i = 0; i < chains; ++i) asio::post(io, go);
+  const bool finished = all_done.get_future().wait_for(60s) == std::future_status::ready;
+  guard.reset();
+  io.stop();
+  for (auto& t : threads) t.join();
+  REQUIRE(finished);
+  REQUIRE(unreg.has_value());
+  CHECK(!*unreg);
+
+  std::vector<std::byte> expected(src.size());
+  fill_pattern(expected.data(), expected.size(), 41, 0);
+  std::size_t ok = 0, refused = 0, after = 0;
+  for (std::size_t s = 0; s < slots; ++s) {
+    const int st = state[s].load();
+    const std::byte* landed_at = dst + s * piece;
+    if (st == 11 || st == 12) {
+      ++ok;
+      CHECK_MESSAGE(std::memcmp(landed_at, expected.data() + (s % 64) * piece, piece) == 0,
+                    "slot " << s << " succeeded but does not hold the segment's bytes");
+    } else {
+      REQUIRE_MESSAGE((st == 21 || st == 22), "slot " << s << " in state " << st);
+      ++refused;
+      CHECK_MESSAGE(errors[s] == kvlink::errc::not_registered, errors[s].message());
+    }
+    if (st == 12 || st == 22) {
+      ++after;
+      CHECK_MESSAGE(st == 22, "slot " << s << " started after the unregistration and succeeded");
+    }
+  }
+  MESSAGE(ok << " WRITEs landed, " << refused << " refused, " << after
+             << " started after the unregistration");
+  CHECK(ok > slots / 4);
+  CHECK(after > 0);
+}
+
+}  // namespace
